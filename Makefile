@@ -1,0 +1,29 @@
+# Two entry points: `make run` (set up, then run the pipeline) and `make test` (set up, then test).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup run test clean bench
+
+setup: $(VENV)/.installed
+
+# Install the project and its pinned, known-good dependency set (constraints.txt) into a venv.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,postgres]'
+	touch $@
+
+run: setup
+	$(PY) flows/pipeline.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) workdir .pytest_cache

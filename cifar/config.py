@@ -1,0 +1,221 @@
+"""The one typed, validated configuration object of the pipeline.
+
+`PipelineConfig` is built once (from a preset plus overrides), validated by pydantic, and passed
+down to every stage. Prefect renders it as the flow's parameter form. Presets override only the
+fields that differ from the defaults; an invalid value fails early with an error naming the field.
+
+Each section belongs to one stage: `data`, `train`, `evaluate`, `export`, `tracking`.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+OFFICIAL_PYTHON_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+OFFICIAL_PYTHON_MD5 = "c58f30108f718f92721af3b95e74349a"
+OFFICIAL_BINARY_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
+OFFICIAL_BINARY_MD5 = "c32a1d4ab5d03f1284b67883e8d87530"
+OFFICIAL_MD5_BY_URL = {OFFICIAL_PYTHON_URL: OFFICIAL_PYTHON_MD5, OFFICIAL_BINARY_URL: OFFICIAL_BINARY_MD5}
+
+TRAIN_EXAMPLES = 50_000  # Images in the official training batches.
+TEST_EXAMPLES = 10_000  # Images in the official test batch.
+
+STAGES = ("data", "train", "evaluate", "export")
+Stage = Literal["data", "train", "evaluate", "export"]
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown fields are errors, values are re-validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    """Where the archive comes from and how it becomes TFRecord shards."""
+
+    source: str = Field(OFFICIAL_PYTHON_URL, description="http(s)/file:// URL or local path of the archive.")
+    sha256: str | None = Field(None, description="Expected SHA-256 of the archive (hex).")
+    md5: str | None = Field(None, description="Expected MD5 of the archive (hex); defaults to the official one.")
+    validation_size: int = Field(5_000, ge=0, lt=TRAIN_EXAMPLES, description="Images held out of training.")
+    train_shards: int = Field(8, ge=1, le=1024)
+    validation_shards: int = Field(1, ge=1, le=1024)
+    test_shards: int = Field(2, ge=1, le=1024)
+    download_retries: int = Field(5, ge=0, le=50, description="Retries of a failed download request.")
+    expect_official_counts: bool = Field(True, description="Require 50,000 train / 10,000 test images.")
+
+    @field_validator("sha256", "md5")
+    @classmethod
+    def _hex_digest(cls, value: str | None, info) -> str | None:
+        if value is None:
+            return None
+        value = value.strip().lower()
+        length = 64 if info.field_name == "sha256" else 32
+        if not re.fullmatch(rf"[0-9a-f]{{{length}}}", value):
+            raise ValueError(f"{info.field_name} must be {length} hex characters, got {value!r}")
+        return value
+
+    def expected_md5(self) -> str | None:
+        """The MD5 to check: the user's, else the official one when the source is an official URL."""
+        if self.md5 is not None:
+            return self.md5
+        if self.sha256 is None:
+            return OFFICIAL_MD5_BY_URL.get(self.source)
+        return None
+
+
+class TrainConfig(Section):
+    """Model, optimizer, schedule, devices and checkpointing."""
+
+    model: str = Field("resnet20", description="tutorial | resnet{6n+2} | fast | tiny")
+    epochs: int = Field(30, ge=1, le=10_000)
+    batch_size: int = Field(128, ge=1, le=65_536, description="Global batch size (all replicas).")
+    steps_per_epoch: int | None = Field(None, ge=1, description="Cap on steps per epoch (smoke runs).")
+    learning_rate: float = Field(0.1, gt=0, le=100, description="Peak learning rate at batch_size 128.")
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    weight_decay: float = Field(2e-4, ge=0, le=1, description="L2 coefficient on conv/dense kernels.")
+    schedule: Literal["piecewise", "cosine", "onecycle", "constant"] = "piecewise"
+    warmup_epochs: float = Field(0.0, ge=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    ema_decay: float | None = Field(None, gt=0, lt=1, description="Weight EMA decay; None disables EMA.")
+    augment: bool = True
+    cache: bool = Field(True, description="Cache decoded uint8 examples in memory.")
+    shuffle_buffer: int = Field(10_000, ge=1)
+    use_all_training_data: bool = Field(False, description="Train on train+validation (no model selection).")
+    gpus: int | list[int] = Field(0, description="0 = CPU, N = first N GPUs, or an explicit list of GPU ids.")
+    precision: Literal["auto", "float32", "mixed_bfloat16", "mixed_float16"] = "auto"
+    fused_batchnorm: bool = Field(True, description="Use the fused batch-norm kernel where it is faster.")
+    jit_compile: Literal["auto", "on", "off"] = Field("auto", description="XLA; auto = on GPU only.")
+    keep_checkpoints: int = Field(3, ge=1, le=1000, description="Last K epoch checkpoints kept (+ the best).")
+    resume: bool = Field(True, description="Resume from the last completed epoch; False starts fresh.")
+    run_name: str | None = Field(None, description="Training directory name; default derives from the config.")
+    deterministic: bool = Field(False, description="Deterministic ops and input order (tests).")
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        match = re.fullmatch(r"resnet(\d+)", value)
+        if match:
+            depth = int(match.group(1))
+            if depth < 8 or (depth - 2) % 6:
+                raise ValueError(f"ResNet depth must be 6n+2 (20, 32, 44, 56, 110, ...), got {depth}")
+            return value
+        if value not in {"tutorial", "fast", "tiny"}:
+            raise ValueError(f"unknown model {value!r}: expected tutorial, fast, tiny or resnet{{6n+2}}")
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpu_request(cls, value: int | list[int]) -> int | list[int]:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"gpus must be >= 0, got {value}")
+        if isinstance(value, list):
+            if any(index < 0 for index in value) or len(set(value)) != len(value):
+                raise ValueError(f"gpus list must hold distinct non-negative ids, got {value}")
+        return value
+
+    @field_validator("run_name")
+    @classmethod
+    def _safe_run_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", value):
+            raise ValueError(f"run_name must be letters, digits, '.', '_' or '-', got {value!r}")
+        return value
+
+
+class EvaluateConfig(Section):
+    """Which checkpoints to evaluate on the test split, and how."""
+
+    checkpoints: Literal["best", "all"] = "best"
+    flip_tta: bool = Field(True, description="Also report accuracy with horizontal-flip test-time augmentation.")
+    batch_size: int = Field(500, ge=1, le=65_536)
+    misclassified_examples: int = Field(36, ge=0, le=400, description="Images in the misclassified grid.")
+
+
+class ExportConfig(Section):
+    """SavedModel export, registry and the promotion gate."""
+
+    model_name: str = "cifar10"
+    register_model: bool = True
+    min_accuracy: float = Field(0.0, ge=0, le=1, description="Test accuracy a model needs to become champion.")
+    tolerance: float = Field(0.0, ge=0, le=1, description="Allowed drop below the current champion.")
+
+
+class TrackingConfig(Section):
+    """MLflow tracking; None means a SQLite store under the workdir unless MLFLOW_TRACKING_URI is set."""
+
+    tracking_uri: str | None = None
+    experiment: str = "cifar10"
+    system_metrics: bool = True
+
+
+class PipelineConfig(Section):
+    """Everything a pipeline run needs, validated once and passed down."""
+
+    preset: str = "default"
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    export: ExportConfig = ExportConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    def flat(self) -> dict[str, Any]:
+        """Every field as `section.field` -> value, for logging as MLflow params."""
+        flat: dict[str, Any] = {"preset": self.preset, "seed": self.seed}
+        for section in ("data", "train", "evaluate", "export", "tracking"):
+            for key, value in getattr(self, section).model_dump().items():
+                flat[f"{section}.{key}"] = value
+        return flat
+
+
+# Presets override only what differs from the defaults above.
+PRESETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    # A few minutes on 2 CPU cores: proves every stage end to end, not accuracy.
+    "smoke": {
+        "train": {"model": "tutorial", "epochs": 2, "steps_per_epoch": 60, "batch_size": 128,
+                  "schedule": "constant", "learning_rate": 0.05, "keep_checkpoints": 2},
+        "evaluate": {"flip_tta": False},
+    },
+    # The estimator's ResNet recipe: 0.1 at batch 128, x0.1/x0.01/x0.002 at epochs 82/123/300 of ~170.
+    "full": {"train": {"model": "resnet56", "epochs": 164, "schedule": "piecewise"}},
+    # Time-to-accuracy recipe (airbench / ResNet-9 style).
+    "fast": {
+        "data": {"validation_size": 0},
+        "train": {"model": "fast", "epochs": 10, "batch_size": 512, "schedule": "onecycle",
+                  "learning_rate": 0.4, "warmup_epochs": 2, "label_smoothing": 0.2, "weight_decay": 5e-4,
+                  "ema_decay": 0.99, "use_all_training_data": True},
+        "evaluate": {"checkpoints": "best", "flip_tta": True},
+    },
+}
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def make_config(preset: str = "default", overrides: dict[str, Any] | None = None) -> PipelineConfig:
+    """Builds a validated config from a preset name and nested overrides (`{"train": {"epochs": 3}}`)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}: expected one of {', '.join(sorted(PRESETS))}")
+    values = _deep_merge(PRESETS[preset], overrides or {})
+    values["preset"] = preset
+    return PipelineConfig.model_validate(values)
+
+
+def resolve_workdir(workdir: str | Path) -> Path:
+    """The absolute workdir, created if missing."""
+    path = Path(workdir).expanduser().resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,77 @@
+"""The manifest: what the data stage produced, and the contract every later stage reads.
+
+TFRecord schema (format version 1), one `tf.train.Example` per image:
+  - `image`: bytes, the raw 32x32x3 uint8 pixels in HWC order (3,072 bytes, no encoding);
+  - `label`: int64, the class index 0..9 (names in `class_names`).
+Shards are uncompressed TFRecord files; paths in the manifest are relative to the manifest's folder.
+Statistics (`mean`, `std`) are per channel (R, G, B) on the 0..1 scale, over the training split.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from cifar.io import atomic_write_json, read_json
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+IMAGE_SHAPE = (32, 32, 3)
+NUM_CLASSES = 10
+
+
+class Shard(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str  # Relative to the data directory.
+    sha256: str
+    num_examples: int
+
+
+class Split(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    num_examples: int
+    class_counts: list[int]  # Index = class id.
+    shards: list[Shard]
+
+
+class SourceInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    location: str  # What the user passed as the source.
+    sha256: str
+    md5: str
+    layout: str  # "python" or "binary".
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format_version: int = FORMAT_VERSION
+    source: SourceInfo
+    class_names: list[str]
+    image_shape: list[int] = list(IMAGE_SHAPE)
+    settings: dict  # The data settings that shaped the shards (validation size, shard counts).
+    splits: dict[str, Split]  # "train", "validation" (may hold 0 examples), "test".
+    mean: list[float]  # Per channel, 0..1 scale, training split.
+    std: list[float]
+    statistics_file: str = "statistics.parquet"
+    class_histogram_file: str = "class_histogram.parquet"
+
+    def shard_paths(self, data_dir: str | Path, split: str) -> list[str]:
+        """Absolute shard paths of a split."""
+        return [str(Path(data_dir) / shard.path) for shard in self.splits[split].shards]
+
+
+def load_manifest(data_dir: str | Path) -> Manifest:
+    """Reads and validates `data_dir/manifest.json`."""
+    path = Path(data_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no manifest at {path}: run the data stage first")
+    manifest = Manifest.model_validate(read_json(path))
+    if manifest.format_version != FORMAT_VERSION:
+        raise ValueError(f"{path} has format version {manifest.format_version}, expected {FORMAT_VERSION}")
+    return manifest
+
+
+def write_manifest(data_dir: str | Path, manifest: Manifest) -> Path:
+    """Atomically writes the manifest (stable bytes for the same content)."""
+    return atomic_write_json(Path(data_dir) / MANIFEST_NAME, manifest.model_dump())

@@ -1,0 +1,126 @@
+"""Small CIFAR-10 look-alike archives in the exact official layouts, for tests and demos.
+
+The images are learnable: every class has its own colour and stripe orientation, plus noise, so a
+tiny model beats chance within an epoch or two. Same seed, same bytes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+NUM_TRAIN_BATCHES = 5
+PYTHON_DIR = "cifar-10-batches-py"
+BINARY_DIR = "cifar-10-batches-bin"
+FIXED_MTIME = 1_262_304_000  # 2010-01-01: fixed so archives are byte-identical across runs.
+
+
+def make_images(labels: np.ndarray, seed: int) -> np.ndarray:
+    """Learnable uint8 images, shape (N, 32, 32, 3), for the given labels."""
+    rng = np.random.default_rng(seed)
+    palette = np.random.default_rng(12345).integers(40, 216, size=(10, 3))
+    rows, columns = np.mgrid[0:32, 0:32]
+    images = np.empty((len(labels), 32, 32, 3), dtype=np.uint8)
+    for index, label in enumerate(labels):
+        angle = np.pi * label / 10.0
+        stripes = np.sin((rows * np.cos(angle) + columns * np.sin(angle)) * 0.8)  # (32, 32)
+        image = palette[label][None, None, :] + 40.0 * stripes[..., None]
+        image += rng.normal(0.0, 20.0, size=image.shape)
+        images[index] = np.clip(image, 0, 255).astype(np.uint8)
+    return images
+
+
+def make_split(num_examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Balanced labels (shuffled) and their images."""
+    rng = np.random.default_rng(seed)
+    labels = rng.permutation(np.arange(num_examples) % 10).astype(np.int64)
+    return make_images(labels, seed + 1), labels
+
+
+def _add_file(archive: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mtime = FIXED_MTIME
+    info.mode = 0o644
+    archive.addfile(info, io.BytesIO(data))
+
+
+def _to_rows(images: np.ndarray) -> np.ndarray:
+    """(N, 32, 32, 3) HWC -> (N, 3072) rows in the official channel-major order (R plane, G, B)."""
+    return np.ascontiguousarray(images.transpose(0, 3, 1, 2).reshape(len(images), 3072))
+
+
+def _python_batch(images: np.ndarray, labels: np.ndarray, name: str) -> bytes:
+    batch = {
+        b"batch_label": name.encode(),
+        b"labels": [int(label) for label in labels],
+        b"data": _to_rows(images),
+        b"filenames": [f"{name}_{index:05d}.png".encode() for index in range(len(labels))],
+    }
+    return pickle.dumps(batch, protocol=2)
+
+
+def _binary_batch(images: np.ndarray, labels: np.ndarray) -> bytes:
+    records = np.concatenate([labels.astype(np.uint8)[:, None], _to_rows(images)], axis=1)
+    return records.tobytes()
+
+
+def _write_gzip_tar(path: Path, files: dict[str, bytes]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as archive:
+        for name, data in files.items():
+            _add_file(archive, name, data)
+    with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as handle:
+        handle.write(buffer.getvalue())
+    return path
+
+
+def build_archive(
+    path: str | Path,
+    *,
+    train_per_batch: int = 100,
+    test_examples: int = 200,
+    layout: str = "python",
+    seed: int = 0,
+) -> Path:
+    """Writes a gzipped tar in the official `python` or `binary` layout and returns its path."""
+    if layout not in {"python", "binary"}:
+        raise ValueError(f"layout must be 'python' or 'binary', got {layout!r}")
+    train_images, train_labels = make_split(train_per_batch * NUM_TRAIN_BATCHES, seed)
+    test_images, test_labels = make_split(test_examples, seed + 100)
+    files: dict[str, bytes] = {}
+    for batch in range(NUM_TRAIN_BATCHES):
+        part = slice(batch * train_per_batch, (batch + 1) * train_per_batch)
+        if layout == "python":
+            name = f"data_batch_{batch + 1}"
+            files[f"{PYTHON_DIR}/{name}"] = _python_batch(train_images[part], train_labels[part], name)
+        else:
+            files[f"{BINARY_DIR}/data_batch_{batch + 1}.bin"] = _binary_batch(train_images[part], train_labels[part])
+    if layout == "python":
+        files[f"{PYTHON_DIR}/test_batch"] = _python_batch(test_images, test_labels, "test_batch")
+        meta = {b"num_cases_per_batch": train_per_batch, b"label_names": [n.encode() for n in CLASS_NAMES],
+                b"num_vis": 3072}
+        files[f"{PYTHON_DIR}/batches.meta"] = pickle.dumps(meta, protocol=2)
+        files[f"{PYTHON_DIR}/readme.html"] = b"<html>synthetic CIFAR-10 fixture</html>\n"
+    else:
+        files[f"{BINARY_DIR}/test_batch.bin"] = _binary_batch(test_images, test_labels)
+        files[f"{BINARY_DIR}/batches.meta.txt"] = ("\n".join(CLASS_NAMES) + "\n\n").encode()
+        files[f"{BINARY_DIR}/readme.html"] = b"<html>synthetic CIFAR-10 fixture</html>\n"
+    return _write_gzip_tar(Path(path), files)
+
+
+def source_arrays(
+    *, train_per_batch: int = 100, test_examples: int = 200, seed: int = 0
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """The (images HWC uint8, labels) that `build_archive` with the same arguments writes."""
+    return {
+        "train": make_split(train_per_batch * NUM_TRAIN_BATCHES, seed),
+        "test": make_split(test_examples, seed + 100),
+    }
