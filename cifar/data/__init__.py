@@ -1,0 +1,1 @@
+"""The data stage: download, verify, extract, validate, convert to TFRecords, statistics."""

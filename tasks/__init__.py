@@ -1,0 +1,1 @@
+"""Thin Prefect tasks around the cifar/ stages."""
