@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup run test clean bench
+.PHONY: setup run test clean bench system-deps
 
 setup: $(VENV)/.installed
 
@@ -19,7 +19,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 run: setup
 	$(PY) flows/pipeline.py $(ARGS)
 
-test: setup
+# PostgreSQL for tests/test_postgres_stack.py: apt-installed when missing, a ~5 ms no-op when present.
+system-deps:
+	bash scripts/postgres.sh install || echo "PostgreSQL could not be installed; tests/test_postgres_stack.py will be skipped" >&2
+
+test: setup system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup

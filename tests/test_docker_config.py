@@ -1,0 +1,517 @@
+"""Static checks of docker/: the compose file, the Dockerfiles and .dockerignore agree with the repository.
+
+No Docker engine is needed. The compose file is read the way `docker compose config` reads it (YAML plus
+`${VAR}` interpolation from docker/.env, here docker/env.example), and every name in it is checked
+against what actually reads it: Prefect's settings, `mlflow server`'s options, the postgres image, our
+code. tests/test_postgres_stack.py runs the same services for real against PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.metadata
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DOCKER_DIR = REPO_ROOT / "docker"
+COMPOSE_PATH = DOCKER_DIR / "compose.yaml"
+ENV_EXAMPLE_PATH = DOCKER_DIR / "env.example"
+
+# Variables the official postgres image reads (https://hub.docker.com/_/postgres, "Environment Variables").
+POSTGRES_IMAGE_VARIABLES = {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB", "POSTGRES_INITDB_ARGS",
+                            "POSTGRES_INITDB_WALDIR", "POSTGRES_HOST_AUTH_METHOD", "PGDATA"}
+INITDB_DIR = "/docker-entrypoint-initdb.d"
+
+_VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+# --- Compose: loading and interpolation (shared with tests/test_postgres_stack.py) ---------------------
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines of a docker/.env-style file (comments and blank lines ignored)."""
+    values = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def interpolate(text: str, variables: dict[str, str]) -> str:
+    """Compose's interpolation: `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `${VAR:?error}`, `$$`."""
+
+    def substitute(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1) or match.group(4)
+        operator, argument = match.group(2), match.group(3)
+        value = variables.get(name)
+        if operator in (":-", ":?"):
+            missing = not value
+        else:
+            missing = value is None
+        if missing and operator in (":-", "-"):
+            return interpolate(argument, variables)
+        if missing and operator in (":?", "?"):
+            raise ValueError(f"required variable {name} is missing: {argument}")
+        return value or ""
+
+    return _VARIABLE.sub(substitute, text)
+
+
+def interpolate_tree(value: Any, variables: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        return interpolate(value, variables)
+    if isinstance(value, list):
+        return [interpolate_tree(item, variables) for item in value]
+    if isinstance(value, dict):
+        return {key: interpolate_tree(item, variables) for key, item in value.items()}
+    return value
+
+
+def variables_used(text: str) -> dict[str, str | None]:
+    """Interpolated variable name -> operator (`:?`, `:-`, ... or None) as written in `text`."""
+    used = {}
+    for match in _VARIABLE.finditer(text):
+        if match.group(0) != "$$":
+            name = match.group(1) or match.group(4)
+            operator = match.group(2)
+            if used.get(name) != ":?":  # Remember the strictest use.
+                used[name] = operator
+    return used
+
+
+def load_compose(variables: dict[str, str] | None = None) -> dict[str, Any]:
+    """docker/compose.yaml interpolated with `variables` (default: docker/env.example with a password)."""
+    if variables is None:
+        variables = read_env_file(ENV_EXAMPLE_PATH)
+        variables["POSTGRES_PASSWORD"] = "example-password"
+    return interpolate_tree(yaml.safe_load(COMPOSE_PATH.read_text(encoding="utf-8")), variables)
+
+
+def environment_of(service: dict[str, Any]) -> dict[str, str]:
+    """A service's `environment` as a dict (compose allows a mapping or a list of KEY=VALUE)."""
+    environment = service.get("environment") or {}
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    return {key: "" if value is None else str(value) for key, value in environment.items()}
+
+
+def command_of(service: dict[str, Any]) -> list[str]:
+    command = service.get("command") or []
+    return shlex.split(command) if isinstance(command, str) else [str(part) for part in command]
+
+
+@dataclass
+class Port:
+    host_ip: str | None
+    published: str | None
+    target: int
+
+
+def ports_of(service: dict[str, Any]) -> list[Port]:
+    """Published ports in short (`IP:HOST:CONTAINER`) or long (mapping) syntax."""
+    ports = []
+    for entry in service.get("ports", []):
+        if isinstance(entry, dict):
+            ports.append(Port(entry.get("host_ip"), str(entry.get("published")), int(entry["target"])))
+            continue
+        parts = str(entry).split("/")[0].split(":")
+        if len(parts) == 3:
+            ports.append(Port(parts[0], parts[1], int(parts[2])))
+        elif len(parts) == 2:
+            ports.append(Port(None, parts[0], int(parts[1])))
+        else:
+            ports.append(Port(None, None, int(parts[0])))
+    return ports
+
+
+def healthcheck_ports(service: dict[str, Any]) -> set[int]:
+    """Ports a service's health check probes on its own loopback (http://127.0.0.1:PORT/...)."""
+    test = " ".join(service.get("healthcheck", {}).get("test", []))
+    return {int(port) for port in re.findall(r"//(?:127\.0\.0\.1|localhost):(\d+)", test)}
+
+
+# --- Dockerfiles --------------------------------------------------------------------------------------
+
+@dataclass
+class Stage:
+    name: str | None
+    parent: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def all(self, keyword: str) -> list[str]:
+        return [arguments for instruction, arguments in self.instructions if instruction == keyword]
+
+
+def parse_dockerfile(path: Path) -> list[Stage]:
+    """Stages with their instructions (continuation lines joined, comments dropped)."""
+    logical, pending = [], ""
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        if not pending and (not raw.strip() or raw.lstrip().startswith("#")):
+            continue
+        if raw.lstrip().startswith("#"):  # A comment inside a continued instruction.
+            continue
+        if raw.rstrip().endswith("\\"):
+            pending += raw.rstrip()[:-1] + " "
+            continue
+        logical.append(pending + raw)
+        pending = ""
+    stages: list[Stage] = []
+    for line in logical:
+        instruction, _, arguments = line.strip().partition(" ")
+        instruction, arguments = instruction.upper(), arguments.strip()
+        if instruction == "FROM":
+            words = arguments.split()
+            name = words[2] if len(words) >= 3 and words[1].upper() == "AS" else None
+            stages.append(Stage(name, words[0]))
+        elif stages:
+            stages[-1].instructions.append((instruction, arguments))
+    return stages
+
+
+def stage_lineage(stages: list[Stage], target: str | None) -> list[Stage]:
+    """The stage `target` (default: the last) and the stages it is built FROM, base first."""
+    by_name = {stage.name: stage for stage in stages if stage.name}
+    stage = by_name[target] if target else stages[-1]
+    lineage = [stage]
+    while stage.parent in by_name:
+        stage = by_name[stage.parent]
+        lineage.insert(0, stage)
+    return lineage
+
+
+def copy_instructions(stages: list[Stage]) -> Iterator[tuple[list[str], str]]:
+    """(sources, destination) of every COPY/ADD from the build context (not `--from=` another stage)."""
+    for stage in stages:
+        for instruction, arguments in stage.instructions:
+            if instruction not in ("COPY", "ADD"):
+                continue
+            if arguments.startswith("["):
+                words = json.loads(arguments)
+            else:
+                words = shlex.split(arguments)
+            if any(word.startswith("--from") for word in words):
+                continue
+            words = [word for word in words if not word.startswith("--")]
+            yield words[:-1], words[-1]
+
+
+def exec_form(arguments: str) -> list[str]:
+    return json.loads(arguments) if arguments.startswith("[") else ["/bin/sh", "-c", arguments]
+
+
+def effective(lineage: list[Stage], keyword: str) -> list[str] | None:
+    """The CMD or ENTRYPOINT a stage ends up with (the last one along its lineage)."""
+    values = [value for stage in lineage for value in stage.all(keyword)]
+    return exec_form(values[-1]) if values else None
+
+
+def exposed_ports(lineage: list[Stage]) -> set[int]:
+    return {int(port.split("/")[0]) for stage in lineage for value in stage.all("EXPOSE") for port in value.split()}
+
+
+# --- .dockerignore ------------------------------------------------------------------------------------
+
+def dockerignore_patterns() -> list[tuple[bool, str]]:
+    patterns = []
+    for line in (REPO_ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            negated = line.startswith("!")
+            patterns.append((negated, line.lstrip("!").strip("/")))
+    return patterns
+
+
+def _pattern_matches(pattern: str, path: str) -> bool:
+    """Docker's rule: a pattern matching a directory also matches everything under it."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[: index + 1]) for index in range(len(parts))]
+    if pattern.startswith("**/"):
+        tails = ["/".join(parts[index:end]) for index in range(len(parts)) for end in range(index + 1, len(parts) + 1)]
+        return any(fnmatch.fnmatchcase(tail, pattern[3:]) for tail in tails)
+    return any(fnmatch.fnmatchcase(candidate, pattern) and candidate.count("/") == pattern.count("/")
+               for candidate in candidates)
+
+
+def ignored_by_docker(path: str) -> bool:
+    """Whether a context-relative path stays out of the build context (the last matching pattern wins)."""
+    ignored = False
+    for negated, pattern in dockerignore_patterns():
+        if _pattern_matches(pattern, path):
+            ignored = not negated
+    return ignored
+
+
+# --- Things that read the names -----------------------------------------------------------------------
+
+def prefect_setting_names() -> set[str]:
+    from prefect.settings import Settings
+    from prefect.settings.legacy import _get_valid_setting_names
+
+    return _get_valid_setting_names(Settings)
+
+
+def mlflow_server_options() -> dict[str, str]:
+    """Environment variable -> option of `mlflow server` (click reads each option from its variable)."""
+    import mlflow.cli
+
+    return {param.envvar: param.opts[0] for param in mlflow.cli.server.params if param.envvar}
+
+
+def console_scripts() -> set[str]:
+    return {entry.name for entry in importlib.metadata.entry_points(group="console_scripts")}
+
+
+def repository_text(*patterns: str) -> str:
+    return "\n".join(path.read_text(encoding="utf-8", errors="replace")
+                     for pattern in patterns for path in sorted(REPO_ROOT.glob(pattern)) if path.is_file())
+
+
+# --- Tests --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return load_compose()
+
+
+def built_services(compose) -> Iterator[tuple[str, dict[str, Any], Path, list[Stage], list[Stage]]]:
+    """(name, service, dockerfile, stages, lineage of the built target) of every service we build."""
+    for name, service in compose["services"].items():
+        build = service.get("build")
+        if build:
+            context = (DOCKER_DIR / build["context"]).resolve()
+            dockerfile = context / build.get("dockerfile", "Dockerfile")
+            stages = parse_dockerfile(dockerfile)
+            yield name, service, dockerfile, stages, stage_lineage(stages, build.get("target"))
+
+
+def test_compose_services_have_an_image_and_valid_build_sections(compose):
+    assert {"postgres", "prefect-server", "mlflow", "worker"} <= set(compose["services"])
+    for name, service in compose["services"].items():
+        assert service.get("image") or service.get("build"), f"{name} has neither image nor build"
+        build = service.get("build")
+        if build:
+            context = (DOCKER_DIR / build["context"]).resolve()
+            assert context == REPO_ROOT, f"{name}: the build context must be the repository root"
+            dockerfile = context / build.get("dockerfile", "Dockerfile")
+            assert dockerfile.is_file(), f"{name}: {dockerfile} is missing"
+            targets = {stage.name for stage in parse_dockerfile(dockerfile)}
+            assert build.get("target") in targets | {None}, f"{name}: no stage {build.get('target')!r} in {dockerfile}"
+
+
+def test_compose_needs_a_password_and_documents_every_variable():
+    text = COMPOSE_PATH.read_text(encoding="utf-8")
+    used = variables_used(text)
+    documented = read_env_file(ENV_EXAMPLE_PATH)
+    assert set(used) <= set(documented), f"undocumented in docker/env.example: {set(used) - set(documented)}"
+    assert used["POSTGRES_PASSWORD"] == ":?", "POSTGRES_PASSWORD must be required (${POSTGRES_PASSWORD:?...})"
+    assert documented["POSTGRES_PASSWORD"] == "", "env.example must not ship a password"
+    with pytest.raises(ValueError, match="POSTGRES_PASSWORD"):
+        load_compose(documented)  # Without docker/.env's password, compose refuses to start.
+    for name, service in yaml.safe_load(text)["services"].items():
+        env_files = service.get("env_file", [])
+        for entry in [env_files] if isinstance(env_files, (str, dict)) else env_files:
+            path = entry["path"] if isinstance(entry, dict) else entry
+            assert (DOCKER_DIR / path).is_file() or (path == ".env" and ENV_EXAMPLE_PATH.is_file()), (name, path)
+    git_ignored = (REPO_ROOT / ".gitignore").read_text(encoding="utf-8").split()
+    assert "docker/.env" in git_ignored or ".env" in git_ignored
+
+
+def test_published_ports_bind_to_loopback_only(compose):
+    published = 0
+    for name, service in compose["services"].items():
+        for port in ports_of(service):
+            published += 1
+            assert port.host_ip == "127.0.0.1", f"{name} publishes {port.target} on {port.host_ip or 'all interfaces'}"
+    assert published >= 2  # Both UIs.
+    # 0.0.0.0 is for in-container binds only: no code or config outside docker/ binds every interface.
+    for folder in ("cifar", "tasks", "flows", "scripts", "bench"):
+        for path in (REPO_ROOT / folder).rglob("*"):
+            if path.suffix in {".py", ".sh", ".yaml", ".yml", ".toml"}:
+                assert "0.0.0.0" not in path.read_text(encoding="utf-8", errors="replace"), f"{path} binds 0.0.0.0"
+    for path in (REPO_ROOT / "prefect.yaml", REPO_ROOT / "Makefile"):
+        assert not path.exists() or "0.0.0.0" not in path.read_text(encoding="utf-8"), f"{path} binds 0.0.0.0"
+    text = COMPOSE_PATH.read_text(encoding="utf-8")
+    assert "0.0.0.0" in text  # In-container binds only; no published port uses it (checked above).
+
+
+def test_every_service_has_a_health_check_and_dependencies_exist(compose):
+    services = compose["services"]
+    for name, service in services.items():
+        healthcheck = service.get("healthcheck")
+        assert healthcheck and healthcheck["test"][0] in ("CMD", "CMD-SHELL"), f"{name} has no health check"
+        depends_on = service.get("depends_on", {})
+        for dependency in depends_on if isinstance(depends_on, list) else depends_on.items():
+            dependency, options = (dependency, {}) if isinstance(dependency, str) else dependency
+            assert dependency in services, f"{name} depends on undefined {dependency}"
+            if options.get("condition") == "service_healthy":
+                assert "healthcheck" in services[dependency]
+
+
+def test_volumes_are_declared_and_bind_mounts_exist(compose):
+    declared = set(compose.get("volumes") or {})
+    used = set()
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume["source"] if isinstance(volume, dict) else volume.split(":")[0]
+            if source.startswith((".", "/")):
+                assert (DOCKER_DIR / source).exists(), f"{name} mounts missing {source}"
+            else:
+                assert source in declared, f"{name} uses undeclared volume {source}"
+                used.add(source)
+    assert used == declared, f"declared but unused volumes: {declared - used}"
+
+
+def test_copy_sources_exist_and_are_in_the_build_context():
+    for dockerfile in sorted(DOCKER_DIR.glob("Dockerfile*")):
+        copies = list(copy_instructions(parse_dockerfile(dockerfile)))
+        assert copies, dockerfile
+        for sources, _ in copies:
+            for source in sources:
+                path = REPO_ROOT / source
+                assert path.exists(), f"{dockerfile.name}: COPY {source} does not exist"
+                files = [path] if path.is_file() else [p for p in path.rglob("*.py") if "__pycache__" not in p.parts]
+                for file in files:
+                    relative = file.relative_to(REPO_ROOT).as_posix()
+                    assert not ignored_by_docker(relative), f"{dockerfile.name}: {relative} is in .dockerignore"
+
+
+def test_dockerignore_keeps_secrets_and_local_state_out():
+    for path in ("docker/.env", ".env", ".venv/bin/python", ".git/HEAD", "workdir/mlflow.db", "mlflow.db",
+                 "mlartifacts/1/x", "cifar/__pycache__/config.cpython-311.pyc", "tests/test_config.py"):
+        assert ignored_by_docker(path), f"{path} would be sent to the Docker daemon"
+    for path in ("pyproject.toml", "constraints.txt", "cifar/config.py", "docker/entrypoint.sh"):
+        assert not ignored_by_docker(path), path
+
+
+def test_images_install_pinned_dependencies_before_the_code_as_a_non_root_user():
+    for dockerfile in sorted(DOCKER_DIR.glob("Dockerfile*")):
+        stages = parse_dockerfile(dockerfile)
+        final = stage_lineage(stages, None)
+        users = [value for stage in final for value in stage.all("USER")]
+        assert users and users[-1] not in ("root", "0"), f"{dockerfile.name} runs as root"
+        installs = [value for stage in final for value in stage.all("RUN") if "pip install" in value]
+        assert installs and all("-c " in value or "--no-deps" in value for value in installs), installs
+        order = [(instruction, arguments) for stage in final for instruction, arguments in stage.instructions
+                 if instruction in ("COPY", "RUN")]
+        first_code = next(index for index, (instruction, arguments) in enumerate(order)
+                          if instruction == "COPY" and "cifar" in arguments.split())
+        dependencies = next(index for index, (instruction, arguments) in enumerate(order)
+                            if instruction == "RUN" and "-r " in arguments and "-c " in arguments)
+        assert dependencies < first_code, f"{dockerfile.name}: the dependency layer must come before the code"
+    gpu = (DOCKER_DIR / "Dockerfile.gpu").read_text(encoding="utf-8")
+    assert "extras['gpu']" in gpu
+
+
+def test_image_commands_exist_in_the_image(compose):
+    scripts = console_scripts()
+    for dockerfile in sorted(DOCKER_DIR.glob("Dockerfile*")):
+        stages = parse_dockerfile(dockerfile)
+        copied = {destination: sources for sources, destination in copy_instructions(stages)}
+        for stage in stages:
+            lineage = stage_lineage(stages, stage.name) if stage.name else stage_lineage(stages, None)
+            entrypoint, cmd = effective(lineage, "ENTRYPOINT"), effective(lineage, "CMD")
+            program = (entrypoint or cmd or [None])[0]
+            if program is None:
+                continue
+            if program.startswith("/") or program in {dest.rsplit("/", 1)[-1] for dest in copied}:
+                matches = [sources for destination, sources in copied.items()
+                           if destination == program or destination.endswith("/" + program)]
+                assert matches and all((REPO_ROOT / source).is_file() for source in matches[0]), program
+            else:
+                assert program in scripts | {"python"}, f"{dockerfile.name}: {program} is not installed"
+    for name, service, _, _, lineage in built_services(compose):
+        command = command_of(service)
+        entrypoint = effective(lineage, "ENTRYPOINT")
+        if entrypoint and entrypoint[0] == "cifar-entrypoint":
+            script = (DOCKER_DIR / "entrypoint.sh").read_text(encoding="utf-8")
+            assert command == ["worker"] and "worker" in script, name
+        else:
+            assert command and command[0] in scripts, f"{name}: {command} is not an installed program"
+
+
+def test_exposed_ports_match_compose_and_server_settings(compose):
+    for name, service, dockerfile, _, lineage in built_services(compose):
+        exposed = exposed_ports(lineage)
+        wanted = {port.target for port in ports_of(service)} | healthcheck_ports(service)
+        assert wanted and wanted <= exposed, f"{name}: ports {wanted - exposed} not EXPOSEd in {dockerfile.name}"
+        environment = environment_of(service)
+        for variable in ("PREFECT_SERVER_API_PORT", "MLFLOW_PORT", "PREFECT_WORKER_WEBSERVER_PORT"):
+            if variable in environment:
+                assert int(environment[variable]) in wanted, f"{name}: {variable} is not the port compose uses"
+
+
+def test_environment_names_are_read_by_something(compose):
+    prefect_names = prefect_setting_names()
+    mlflow_options = mlflow_server_options()
+    code = repository_text("cifar/**/*.py", "tasks/**/*.py", "flows/**/*.py", "docker/entrypoint.sh")
+    for name, service in compose["services"].items():
+        environment = environment_of(service)
+        command = command_of(service)
+        init_scripts = "\n".join(
+            (DOCKER_DIR / volume.split(":")[0]).read_text(encoding="utf-8")
+            for volume in service.get("volumes", []) if isinstance(volume, str) and INITDB_DIR in volume)
+        for variable in environment:
+            if variable.startswith("PREFECT_"):
+                assert variable in prefect_names, f"{name}: {variable} is not a Prefect setting"
+            elif variable.startswith("MLFLOW_") and command[:2] == ["mlflow", "server"]:
+                assert variable in mlflow_options, f"{name}: `mlflow server` does not read {variable}"
+            elif variable.startswith("POSTGRES_"):
+                assert variable in POSTGRES_IMAGE_VARIABLES, f"{name}: the postgres image does not read {variable}"
+            else:
+                assert re.search(rf"\b{variable}\b", code + init_scripts), f"{name}: nothing reads {variable}"
+
+
+def test_servers_use_postgresql_and_the_databases_the_init_script_creates(compose):
+    services = compose["services"]
+    postgres = environment_of(services["postgres"])
+    init_script = (DOCKER_DIR / "postgres-init" / "create-databases.sh").read_text(encoding="utf-8")
+    assert "CIFAR_PREFECT_DB" in init_script and "CIFAR_MLFLOW_DB" in init_script
+    user, password = postgres["POSTGRES_USER"], postgres["POSTGRES_PASSWORD"]
+    prefect_url = environment_of(services["prefect-server"])["PREFECT_API_DATABASE_CONNECTION_URL"]
+    mlflow_environment = environment_of(services["mlflow"])
+    assert prefect_url == f"postgresql+asyncpg://{user}:{password}@postgres:5432/{postgres['CIFAR_PREFECT_DB']}"
+    assert mlflow_environment["MLFLOW_BACKEND_STORE_URI"] == (
+        f"postgresql://{user}:{password}@postgres:5432/{postgres['CIFAR_MLFLOW_DB']}")
+    assert mlflow_environment["MLFLOW_SERVE_ARTIFACTS"] == "true"
+    artifacts = mlflow_environment["MLFLOW_ARTIFACTS_DESTINATION"]
+    assert any(str(volume).endswith(":" + artifacts) for volume in services["mlflow"]["volumes"])
+
+
+def test_worker_talks_to_the_compose_servers_and_serves_the_deployments_pool(compose):
+    services = compose["services"]
+    for name in ("worker", "worker-gpu"):
+        environment = environment_of(services[name])
+        assert environment["PREFECT_API_URL"] == "http://prefect-server:4200/api"
+        assert environment["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+        assert "mlflow:*" in environment_of(services["mlflow"])["MLFLOW_SERVER_ALLOWED_HOSTS"].split(",")
+    pools = {deployment["work_pool"]["name"] for deployment in
+             yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text(encoding="utf-8"))["deployments"]
+             if deployment.get("work_pool")}
+    assert environment_of(services["worker"])["CIFAR_WORK_POOL"] in pools
+
+
+
+def test_deployment_entrypoints_are_in_the_worker_images():
+    deployments = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text(encoding="utf-8"))["deployments"]
+    for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
+        stages = parse_dockerfile(DOCKER_DIR / dockerfile)
+        copied = [source for sources, destination in copy_instructions(stage_lineage(stages, None))
+                  if not destination.startswith("/tmp/") for source in sources]
+        assert "prefect.yaml" in copied, dockerfile
+        for deployment in deployments:
+            path = deployment["entrypoint"].split(":")[0]
+            assert (REPO_ROOT / path).is_file(), f"{deployment['name']}: {path} does not exist"
+            assert any(path == source or path.startswith(source.rstrip("/") + "/") for source in copied), (
+                f"{dockerfile} does not copy {path} ({deployment['name']})")
+            assert not ignored_by_docker(path), path
