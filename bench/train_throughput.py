@@ -1,0 +1,214 @@
+"""Training throughput, side by side: stock Keras float32 vs ours (fused batch norm + mixed_bfloat16).
+
+Every variant trains on the same fixed uint8 batch repeated in memory (no input pipeline in the
+measurement) through `model.fit`'s compiled train step (SGD with momentum, sparse cross-entropy).
+Warm-up steps (tracing, oneDNN primitive creation) are excluded, and the timed steps of the
+variants of one model are interleaved in rounds so that a change in machine load hits all of them
+alike. Prints a markdown table and, with --write-docs, replaces the "## Training throughput"
+section of docs/BENCHMARKS.md (other sections are kept).
+
+    .venv/bin/python bench/train_throughput.py --write-docs --note "shared with other jobs"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cifar.models import build_model, input_size  # noqa: E402
+from cifar.performance import cpu_supports_bf16, onednn_enabled  # noqa: E402
+
+SECTION = "## Training throughput"
+DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md"
+
+
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    precision: str
+    fused_batchnorm: bool
+    jit_compile: bool = False
+
+
+STOCK = Variant("stock Keras fp32", "float32", False)
+OURS = Variant("ours: fused BN + bf16", "mixed_bfloat16", True)
+# The two halves of the change, to show what each contributes (only where the model has batch norm).
+FUSED_ONLY = Variant("fused BN, fp32", "float32", True)
+BF16_ONLY = Variant("Keras BN, bf16", "mixed_bfloat16", False)
+# What "auto" jit avoids on CPU: XLA compiles the convolutions itself instead of calling oneDNN.
+OURS_XLA = Variant("ours + XLA (jit_compile)", "mixed_bfloat16", True, jit_compile=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["resnet20", "tutorial"])
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20, help="Timed training steps per variant.")
+    parser.add_argument("--warmup", type=int, default=5, help="Untimed steps per variant before timing.")
+    parser.add_argument("--rounds", type=int, default=4, help="Interleaved rounds the timed steps are split into.")
+    parser.add_argument("--no-breakdown", action="store_true", help="Only stock vs ours, not the two halves.")
+    parser.add_argument("--xla", action="store_true", help="Also time ours with jit_compile=True.")
+    parser.add_argument("--write-docs", action="store_true", help=f"Write the table into {DOCS_PATH}.")
+    parser.add_argument("--note", default="", help="A note on the machine's state (e.g. shared, loaded).")
+    args = parser.parse_args(argv)
+    if min(args.batch_size, args.steps, args.rounds) < 1 or args.warmup < 0 or args.steps % args.rounds:
+        parser.error("batch size, steps and rounds must be >= 1, warmup >= 0, and rounds must divide steps")
+    return args
+
+
+def variants_for(model_name: str, breakdown: bool, xla: bool) -> list[Variant]:
+    has_batch_norm = model_name != "tutorial" and model_name != "tiny"
+    variants = [STOCK, FUSED_ONLY, BF16_ONLY, OURS] if breakdown and has_batch_norm else [STOCK, OURS]
+    return variants + [OURS_XLA] if xla else variants
+
+
+def compiled_model(model_name: str, variant: Variant) -> keras.Model:
+    """The model built under the variant's dtype policy (the policy is read when layers are made)."""
+    keras.mixed_precision.set_global_policy(variant.precision)
+    try:
+        keras.utils.set_random_seed(0)
+        model = build_model(model_name, fused_batchnorm=variant.fused_batchnorm)
+        model.compile(
+            optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9, nesterov=True),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            jit_compile=variant.jit_compile,
+        )
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return model
+
+
+def synthetic_batches(model_name: str, batch_size: int) -> tf.data.Dataset:
+    """One fixed uint8 batch, repeated forever: measures the train step, not the input pipeline."""
+    size = input_size(model_name)
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(batch_size, size, size, 3), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=(batch_size,), dtype=np.int32)
+    return tf.data.Dataset.from_tensors((images, labels)).repeat()
+
+
+class StepClock(keras.callbacks.Callback):
+    """Records the wall-clock time at the end of every training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.times: list[float] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter())
+
+
+def fit_steps(model: keras.Model, dataset: tf.data.Dataset, steps: int) -> float:
+    """Seconds of `steps` training steps of `model.fit`, timed between step ends.
+
+    One extra step runs first and is not timed, so `fit`'s set-up (iterator, callbacks) is excluded.
+    """
+    clock = StepClock()
+    model.fit(dataset, epochs=1, steps_per_epoch=steps + 1, verbose=0, shuffle=False, callbacks=[clock])
+    return clock.times[-1] - clock.times[0]
+
+
+def measure(model_name: str, args: argparse.Namespace) -> list[tuple[Variant, float]]:
+    """Images per second of each variant, timed in interleaved rounds after warm-up."""
+    dataset = synthetic_batches(model_name, args.batch_size)
+    variants = variants_for(model_name, not args.no_breakdown, args.xla)
+    models = [compiled_model(model_name, variant) for variant in variants]
+    for model in models:
+        if args.warmup:
+            fit_steps(model, dataset, args.warmup)
+    seconds = [0.0] * len(models)
+    steps_per_round = args.steps // args.rounds
+    for _ in range(args.rounds):
+        for index, model in enumerate(models):
+            seconds[index] += fit_steps(model, dataset, steps_per_round)
+    return [(variant, args.steps * args.batch_size / elapsed) for variant, elapsed in zip(variants, seconds)]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def machine_description() -> str:
+    gpus = tf.config.list_physical_devices("GPU")
+    device = f"{len(gpus)} GPU(s)" if gpus else "CPU only"
+    return (
+        f"{cpu_model()}, {os.cpu_count()} cores, {device}; bfloat16 instructions (AVX512-BF16/AMX): "
+        f"{'yes' if cpu_supports_bf16() else 'no'}, "
+        f"oneDNN: {'on' if onednn_enabled() else 'off'}; TF {tf.__version__}, Keras {keras.__version__}"
+    )
+
+
+def markdown_table(results: dict[str, list[tuple[Variant, float]]], batch_size: int) -> str:
+    lines = [
+        f"| model | variant | images/s (batch {batch_size}) | vs stock fp32 |",
+        "|---|---|---:|---:|",
+    ]
+    for model_name, rows in results.items():
+        stock = rows[0][1]
+        for variant, images_per_second in rows:
+            ratio = images_per_second / stock
+            lines.append(f"| {model_name} | {variant.label} | {images_per_second:,.0f} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+def write_section(path: Path, body: str) -> None:
+    """Replaces (or appends) the "## Training throughput" section, keeping every other section."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    section = f"{SECTION}\n\n{body.strip()}\n"
+    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
+    else:
+        text = text.rstrip() + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    results = {model_name: measure(model_name, args) for model_name in args.models}
+    table = markdown_table(results, args.batch_size)
+    print(table)
+    if args.write_docs:
+        command = shlex.join(["python", "bench/train_throughput.py", *(argv if argv is not None else sys.argv[1:])])
+        load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
+        note = f"\n\nLoad average (1/5/15 min) at the end of the run: {load}."
+        note += f" Note: {args.note}" if args.note else ""
+        body = (
+            "Images/s of `model.fit` training steps (SGD + momentum, sparse cross-entropy) on one fixed\n"
+            f"uint8 batch repeated in memory, {args.warmup} warm-up steps excluded, {args.steps} timed steps per\n"
+            f"variant interleaved in {args.rounds} rounds so load changes hit every variant alike. \"Ours\" is\n"
+            "`fused_batchnorm=True` (cifar.layers.FusedBatchNormalization) with the `mixed_bfloat16` policy;\n"
+            "\"stock\" is Keras's BatchNormalization in float32. The tutorial CNN has no batch norm, so its gain\n"
+            "is bfloat16 alone. XLA is off except in the \"+ XLA\" rows.\n\n"
+            f"Command: `{command}`\n\n"
+            f"Machine: {machine_description()}{note}\n\n"
+            f"{table}\n"
+        )
+        write_section(DOCS_PATH, body)
+        print(f"wrote {DOCS_PATH}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Speed settings resolved from the config and the machine: precision policy, XLA, threads.
+
+`configure_performance` is called once before any model is built (the Keras dtype policy is read
+when layers are created) and returns what it chose, as strings, for logging to MLflow.
+
+Why these defaults (measured on a 2-core KVM Xeon with AMX-BF16; see docs/BENCHMARKS.md):
+- mixed_bfloat16 lets oneDNN run the convolutions on AMX tiles; together with the fused batch norm
+  (`TrainConfig.fused_batchnorm`) it trained ResNet-20 2.7-3.6x faster than stock float32 Keras.
+- XLA on CPU lowers convolutions to its own emitter instead of oneDNN: the same bfloat16 ResNet-20
+  step was ~5x slower with jit_compile, so "auto" jit is on for GPUs only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import keras
+import tensorflow as tf
+
+from cifar.config import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with native bfloat16 math.
+BF16_GPU_COMPUTE_CAPABILITY = (8, 0)  # Ampere and newer have bfloat16 tensor cores.
+
+
+def cpu_supports_bf16(cpuinfo_path: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether the CPU has native bfloat16 instructions (AVX512-BF16 or AMX-BF16)."""
+    try:
+        text = Path(cpuinfo_path).read_text()
+    except OSError:
+        return False  # Not Linux: no cheap way to tell, so assume the safe answer.
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            if flags.intersection(BF16_CPU_FLAGS):
+                return True
+    return False
+
+
+def gpu_compute_capabilities(num_gpus: int) -> list[tuple[int, int]]:
+    """Compute capabilities of the first `num_gpus` visible GPUs (fewer if fewer are visible)."""
+    capabilities = []
+    for device in tf.config.list_physical_devices("GPU")[:num_gpus]:
+        details = tf.config.experimental.get_device_details(device)
+        capability = details.get("compute_capability")
+        if capability is not None:
+            capabilities.append(tuple(capability))
+    return capabilities
+
+
+def resolve_precision(train: TrainConfig, num_gpus: int) -> str:
+    """The Keras dtype policy: the configured one, or for "auto" the fastest safe one on this machine.
+
+    "auto": on GPUs mixed_bfloat16 when every GPU used has compute capability >= 8.0 (no loss
+    scaling needed), else mixed_float16; on CPU mixed_bfloat16 when the CPU has bfloat16
+    instructions (emulated bfloat16 is slower than float32), else float32.
+    """
+    if num_gpus < 0:
+        raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
+    if train.precision != "auto":
+        if train.precision == "mixed_bfloat16" and num_gpus == 0 and not cpu_supports_bf16():
+            logger.warning("mixed_bfloat16 requested on a CPU without bfloat16 instructions: expect it to be slow")
+        return train.precision
+    if num_gpus > 0:
+        capabilities = gpu_compute_capabilities(num_gpus)
+        if capabilities and all(capability >= BF16_GPU_COMPUTE_CAPABILITY for capability in capabilities):
+            return "mixed_bfloat16"
+        return "mixed_float16"
+    return "mixed_bfloat16" if cpu_supports_bf16() else "float32"
+
+
+def resolve_jit_compile(train: TrainConfig, num_gpus: int) -> bool:
+    """XLA compilation for `model.compile(jit_compile=...)`: "auto" means on GPUs only."""
+    if num_gpus < 0:
+        raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
+    if train.jit_compile == "auto":
+        # XLA's CPU backend does not call oneDNN for convolutions: 2-4x slower steps on this CPU.
+        return num_gpus > 0
+    return train.jit_compile == "on"
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow's oneDNN kernels are on (TF_ENABLE_ONEDNN_OPTS unset or not "0"/"false")."""
+    return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "1").strip().lower() not in ("0", "false")
+
+
+def configure_performance(
+    train: TrainConfig,
+    num_gpus: int,
+    *,
+    intra_op_threads: int | None = None,
+    inter_op_threads: int | None = None,
+) -> dict[str, str]:
+    """Applies precision policy, threading, jit choice; returns the resolved settings for logging.
+
+    Thread pools keep TensorFlow's defaults (one thread per core) unless given; they can only be
+    set before TensorFlow runs its first op, so a late request is logged and ignored. oneDNN is
+    left on: TF reads TF_ENABLE_ONEDNN_OPTS at import, so it can only be reported here.
+    Under mixed_float16 `keras.Model.compile` wraps the optimizer in a LossScaleOptimizer itself.
+    """
+    precision = resolve_precision(train, num_gpus)
+    jit_compile = resolve_jit_compile(train, num_gpus)
+    keras.mixed_precision.set_global_policy(precision)
+
+    for setter, threads, what in (
+        (tf.config.threading.set_intra_op_parallelism_threads, intra_op_threads, "intra-op"),
+        (tf.config.threading.set_inter_op_parallelism_threads, inter_op_threads, "inter-op"),
+    ):
+        if threads is None:
+            continue
+        if threads < 0:
+            raise ValueError(f"{what} threads must be >= 0 (0 = TensorFlow's default), got {threads}")
+        try:
+            setter(threads)
+        except RuntimeError:
+            logger.warning(
+                "cannot set %s threads to %d after TensorFlow started; keeping the current pool", what, threads
+            )
+
+    onednn = onednn_enabled()
+    if not onednn:
+        logger.warning("TF_ENABLE_ONEDNN_OPTS=0 turns off oneDNN: CPU convolutions and bfloat16 will be slow")
+
+    def threads_setting(value: int) -> str:
+        return "default" if value == 0 else str(value)
+
+    return {
+        "device": f"gpu x{num_gpus}" if num_gpus else "cpu",
+        "precision": precision,
+        "jit_compile": str(jit_compile).lower(),
+        "fused_batchnorm": str(train.fused_batchnorm).lower(),
+        "cpu_bf16": str(cpu_supports_bf16()).lower(),
+        "onednn": "on" if onednn else "off",
+        "intra_op_threads": threads_setting(tf.config.threading.get_intra_op_parallelism_threads()),
+        "inter_op_threads": threads_setting(tf.config.threading.get_inter_op_parallelism_threads()),
+    }
