@@ -50,21 +50,46 @@ def ensure_experiment(tracking_uri: str, workdir: str | Path, name: str) -> str:
 
 
 @contextlib.contextmanager
+def tracking_uri_scope(tracking_uri: str) -> Iterator[None]:
+    """Points MLflow's fluent API (`mlflow.log_*`, `start_run`) at `tracking_uri` for the block only.
+
+    `mlflow.set_tracking_uri` also exports `MLFLOW_TRACKING_URI`, which `resolve_tracking_uri`
+    would then pick up for every later stage and workdir in this process; the previous URI and
+    environment are restored on exit.
+    """
+    import mlflow
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    previous_uri = tracking_utils._tracking_uri
+    previous_environment = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous_uri)
+        if previous_environment is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous_environment
+
+
+@contextlib.contextmanager
 def use_run(tracking_uri: str, run_id: str) -> Iterator["mlflow.ActiveRun"]:  # noqa: F821
     """Resumes `run_id` as the active MLflow run for `mlflow.log_*` calls.
 
     Reuses it if it is already active; otherwise the run is ended on exit (FINISHED, or FAILED
-    on an exception) and the next stage resumes it again by id.
+    on an exception) and the next stage resumes it again by id. The process's tracking URI and
+    `MLFLOW_TRACKING_URI` are left as they were.
     """
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri)
-    active = mlflow.active_run()
-    if active is not None and active.info.run_id == run_id:
-        yield active
-        return
-    with mlflow.start_run(run_id=run_id) as run:
-        yield run
+    with tracking_uri_scope(tracking_uri):
+        active = mlflow.active_run()
+        if active is not None and active.info.run_id == run_id:
+            yield active
+            return
+        with mlflow.start_run(run_id=run_id) as run:
+            yield run
 
 
 def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
@@ -72,3 +97,105 @@ def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
     import mlflow
 
     mlflow.MlflowClient(tracking_uri=tracking_uri).set_terminated(run_id, status=status)
+
+
+# --- Training: the one run of a pipeline, its params, per-epoch metrics and inputs. ---------------
+
+
+def git_commit(directory: str | Path | None = None) -> str | None:
+    """The checked-out commit of the code, or None outside a git repository."""
+    import subprocess
+
+    directory = Path(directory) if directory else Path(__file__).resolve().parent
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=directory, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.strip() or None
+
+
+def run_exists(tracking_uri: str, run_id: str) -> bool:
+    """Whether the store still has `run_id` (and it is not deleted)."""
+    import mlflow
+
+    try:
+        run = mlflow.MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
+    except Exception:  # The store raises MlflowException (RESOURCE_DOES_NOT_EXIST) for unknown ids.
+        return False
+    return run.info.lifecycle_stage == "active"
+
+
+def create_run(tracking_uri: str, workdir: str | Path, experiment: str, run_name: str, tags: dict[str, str]) -> str:
+    """Creates the pipeline's run (status RUNNING) and returns its id; nothing is made active."""
+    import mlflow
+
+    experiment_id = ensure_experiment(tracking_uri, workdir, experiment)
+    run = mlflow.MlflowClient(tracking_uri=tracking_uri).create_run(experiment_id, run_name=run_name, tags=tags)
+    return run.info.run_id
+
+
+def stringify_params(params: dict) -> dict[str, str]:
+    """MLflow params are strings of at most 6,000 characters; None becomes 'None'."""
+    return {key: str(value)[:6000] for key, value in params.items()}
+
+
+def log_params(tracking_uri: str, run_id: str, params: dict) -> None:
+    """Logs params in batches of 100 (the store's limit per request)."""
+    import mlflow
+    from mlflow.entities import Param
+
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    items = [Param(key, value) for key, value in stringify_params(params).items()]
+    for start in range(0, len(items), 100):
+        client.log_batch(run_id, params=items[start:start + 100])
+
+
+def log_epoch_metrics(tracking_uri: str, run_id: str, epoch: int, metrics: dict[str, float]) -> None:
+    """One value per metric at step = epoch (1-based), in one request."""
+    import time
+
+    import mlflow
+    from mlflow.entities import Metric
+
+    timestamp = int(time.time() * 1000)
+    items = [Metric(key, float(value), timestamp, int(epoch)) for key, value in metrics.items()]
+    if items:
+        mlflow.MlflowClient(tracking_uri=tracking_uri).log_batch(run_id, metrics=items)
+
+
+def logged_steps(tracking_uri: str, run_id: str, key: str) -> set[int]:
+    """The steps already logged for a metric (to back-fill without duplicates after a crash)."""
+    import mlflow
+
+    history = mlflow.MlflowClient(tracking_uri=tracking_uri).get_metric_history(run_id, key)
+    return {metric.step for metric in history}
+
+
+def manifest_dataset(manifest, data_dir: str | Path):
+    """The training data as an MLflow dataset: where the archive came from and a digest of the shards.
+
+    A `MetaDataset` records metadata only; the digest hashes the manifest (shard hashes, counts,
+    statistics), so two runs on the same prepared data show the same dataset in the UI.
+    """
+    import warnings
+
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.http_dataset_source import HTTPDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.types import ColSpec, DataType, Schema
+
+    from cifar.io import file_digest
+
+    digest = file_digest(Path(data_dir) / "manifest.json")[:32]
+    schema = Schema([ColSpec(DataType.binary, "image"), ColSpec(DataType.long, "label")])
+    location = manifest.source.location
+    if location.startswith(("http://", "https://")):
+        source = HTTPDatasetSource(location)
+    else:
+        with warnings.catch_warnings():  # A local path matches two equivalent local source types.
+            warnings.simplefilter("ignore", UserWarning)
+            source = resolve_dataset_source(location)
+    return MetaDataset(source, name=Path(data_dir).name, digest=digest,
+                       schema=schema)

@@ -1,0 +1,249 @@
+"""Keras callbacks of the training stage.
+
+Order matters: Keras calls `on_epoch_end` in list order with one shared `logs` dict, so
+`EpochStatistics` adds throughput and the learning rate first, `DivergenceGuard` stops a
+diverged run before anything is written, `EpochCheckpoint` makes the epoch durable, and only then
+`MetricsLogger` (MLflow) and `EpochProgress` report it. A crash between the checkpoint and the
+report loses no epoch: the resumed run back-fills what was not reported (see `cifar.train`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import keras
+import numpy as np
+
+from cifar.checkpoints import CheckpointEntry, CheckpointIndex, checkpoint_file_names, write_index
+from cifar.io import atomic_write_json
+
+NAN_CHECK_EVERY = 20  # Batches between divergence checks inside an epoch (each check syncs the device).
+
+
+class TrainingDivergedError(RuntimeError):
+    """The training loss became NaN or infinite; nothing of the bad epoch was saved."""
+
+
+def float_logs(logs: dict | None) -> dict[str, float]:
+    """Keras logs as plain floats."""
+    return {key: float(np.asarray(value)) for key, value in (logs or {}).items()}
+
+
+def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
+    """The learning rate of the optimizer's last step (a schedule evaluated at that step)."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    schedule = getattr(optimizer, "_learning_rate", None)
+    if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+        last_step = max(0, int(np.asarray(optimizer.iterations)) - 1)
+        return float(np.asarray(schedule(last_step)))
+    return float(np.asarray(optimizer.learning_rate))
+
+
+class EpochStatistics(keras.callbacks.Callback):
+    """Adds `examples_per_second` (training steps only, after the first) and `learning_rate` to logs.
+
+    Like the estimator's ExamplesPerSecondHook: the clock starts after the first step of the epoch,
+    so graph tracing and XLA compilation do not count, and stops before validation.
+    """
+
+    def __init__(self, global_batch_size: int):
+        super().__init__()
+        self.global_batch_size = global_batch_size
+        self._start: float | None = None
+        self._end: float | None = None
+        self._steps = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch_start = time.perf_counter()
+        self._start, self._end, self._steps = None, None, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        now = time.perf_counter()
+        if self._start is None:
+            self._start = now
+            self._first_step_end = now
+        else:
+            self._steps += 1
+            self._end = now
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None:
+            return
+        if self._steps and self._end > self._start:
+            logs["examples_per_second"] = self._steps * self.global_batch_size / (self._end - self._start)
+        elif self._start is not None:
+            # A one-step epoch: only the whole step (tracing included) can be timed.
+            logs["examples_per_second"] = self.global_batch_size / max(self._first_step_end - self._epoch_start, 1e-9)
+        logs["learning_rate"] = current_learning_rate(self.model.optimizer)
+
+
+class DivergenceGuard(keras.callbacks.Callback):
+    """Raises TrainingDivergedError as soon as the training (or validation) loss is NaN or infinite."""
+
+    def __init__(self, check_every: int = NAN_CHECK_EVERY):
+        super().__init__()
+        self.check_every = check_every
+
+    def _check(self, loss, where: str) -> None:
+        if loss is not None and not math.isfinite(float(np.asarray(loss))):
+            self.model.stop_training = True
+            raise TrainingDivergedError(
+                f"loss became {float(np.asarray(loss))} at {where}; lower the learning rate "
+                "(nothing from this epoch was checkpointed)"
+            )
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (batch + 1) % self.check_every == 0:
+            self._check((logs or {}).get("loss"), f"step {batch + 1} of the epoch")
+
+    def on_epoch_end(self, epoch, logs=None):
+        # A finite but huge training loss can already give NaN logits on validation: both count.
+        for key in ("loss", "val_loss"):
+            self._check((logs or {}).get(key), f"the end of epoch {epoch + 1} ({key})")
+
+
+@contextlib.contextmanager
+def ema_weights(model: keras.Model):
+    """Temporarily puts the optimizer's EMA weights into the model (no-op without EMA)."""
+    optimizer = model.optimizer
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # Unwrap a LossScaleOptimizer.
+    averages = getattr(optimizer, "_model_variables_moving_average", None)
+    if not getattr(optimizer, "use_ema", False) or not averages:
+        yield
+        return
+    variables = optimizer._trainable_variables
+    raw = [np.asarray(variable.numpy()) for variable in variables]
+    for variable, average in zip(variables, averages):
+        variable.assign(average.numpy())
+    try:
+        yield
+    finally:
+        for variable, value in zip(variables, raw):
+            variable.assign(value)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+class EpochCheckpoint(keras.callbacks.Callback):
+    """Writes the checkpoint contract of `cifar.checkpoints` after every epoch.
+
+    Each epoch: `epoch-NNNN.keras` (raw weights + optimizer state, for resume) and
+    `epoch-NNNN.eval.weights.h5` (EMA weights when EMA is on), each under a temp name renamed
+    into place; then `history.json`; then `index.json` (the commit point: an epoch counts as done
+    once the index lists it); then older checkpoints beyond the last `keep` and the best are
+    deleted. Non-chief workers pass `write_records=False` and a temporary directory.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        *,
+        keep: int,
+        index: CheckpointIndex,
+        history: dict[str, list[float]],
+        history_path: str | Path | None,
+        write_records: bool = True,
+    ):
+        super().__init__()
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.keep = keep
+        self.index = index
+        self.history = history
+        self.history_path = Path(history_path) if history_path else None
+        self.write_records = write_records
+
+    def on_train_begin(self, logs=None):
+        # Half-written files of a killed process are never listed in the index: remove them.
+        for path in self.checkpoint_dir.glob(".tmp-*"):
+            path.unlink(missing_ok=True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        completed = epoch + 1  # Keras counts from 0; the contract counts completed epochs.
+        metrics = float_logs(logs)
+        model_name, weights_name = checkpoint_file_names(completed)
+        self._save(model_name, lambda path: self.model.save(path))
+        with ema_weights(self.model):
+            self._save(weights_name, lambda path: self.model.save_weights(path))
+        # Every worker keeps the records in memory; only the chief writes them.
+        append_epoch(self.history, completed, metrics)
+        entry = CheckpointEntry(epoch=completed, model_path=model_name, eval_weights_path=weights_name, metrics=metrics)
+        self.index = updated_index(self.index, entry, self.keep)
+        if self.write_records:
+            if self.history_path is not None:
+                atomic_write_json(self.history_path, self.history)
+            write_index(self.checkpoint_dir, self.index)
+        self._prune()
+
+    def _save(self, name: str, save: Callable[[Path], None]) -> None:
+        # The temp name keeps the suffix Keras dispatches on (.keras / .weights.h5).
+        temp = self.checkpoint_dir / f".tmp-{name}"
+        save(temp)
+        _fsync(temp)
+        os.replace(temp, self.checkpoint_dir / name)
+
+    def _prune(self) -> None:
+        kept = {name for entry in self.index.entries for name in (entry.model_path, entry.eval_weights_path)}
+        for path in self.checkpoint_dir.glob("epoch-*"):
+            if path.name not in kept:
+                path.unlink(missing_ok=True)
+
+
+def append_epoch(history: dict[str, list], epoch: int, metrics: dict[str, float]) -> None:
+    """Adds one epoch to a column-per-metric history, keeping every column one value per epoch.
+
+    A metric missing from this epoch gets None; a metric new in this epoch gets None for the
+    earlier epochs, so position i of every list always belongs to `history["epoch"][i]`.
+    """
+    previous = len(history.get("epoch", []))
+    history.setdefault("epoch", []).append(epoch)
+    for key, value in metrics.items():
+        history.setdefault(key, [None] * previous).append(value)
+    for key, values in history.items():
+        if len(values) < previous + 1:
+            values.append(None)
+
+
+def updated_index(index: CheckpointIndex, entry: CheckpointEntry, keep: int) -> CheckpointIndex:
+    """The index with `entry` added (replacing a same-epoch entry), trimmed to the last `keep` + best.
+
+    Best is the highest `val_accuracy` (the earliest on ties); without validation, the latest.
+    """
+    entries = [old for old in index.entries if old.epoch < entry.epoch] + [entry]
+    if "val_accuracy" in entry.metrics:
+        best = max(entries, key=lambda item: (item.metrics.get("val_accuracy", -math.inf), -item.epoch))
+    else:
+        best = entry
+    recent = sorted(entries, key=lambda item: item.epoch)[-keep:]
+    kept = sorted({item.epoch: item for item in [*recent, best]}.values(), key=lambda item: item.epoch)
+    return CheckpointIndex(entries=kept, best_epoch=best.epoch)
+
+
+class MetricsLogger(keras.callbacks.Callback):
+    """Logs every epoch's metrics to the pipeline's MLflow run with step = the epoch number."""
+
+    def __init__(self, log: Callable[[int, dict[str, float]], None]):
+        super().__init__()
+        self.log = log
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.log(epoch + 1, float_logs(logs))
+
+
+class EpochProgress(keras.callbacks.Callback):
+    """Reports `{"epoch", "epochs", **metrics}` to a plain function after every epoch."""
+
+    def __init__(self, report: Callable[[dict], None], epochs: int):
+        super().__init__()
+        self.report = report
+        self.epochs = epochs
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.report({"epoch": epoch + 1, "epochs": self.epochs, **float_logs(logs)})

@@ -1,0 +1,186 @@
+"""Which devices train, and the `tf.distribute` strategy over them.
+
+`train.gpus` selects the local devices: 0 = CPU, N = the first N GPUs, a list = exactly those GPU
+ids. On CPU every logical CPU device of the process is a replica: normally one, but a process
+that split its CPU into logical devices (`tf.config.set_logical_device_configuration`, as the
+tests do) gets a MirroredStrategy over them. With `TF_CONFIG` set the process is one worker of a
+cluster and trains with `MultiWorkerMirroredStrategy` over its local devices.
+
+`plan_devices` checks the request (GPUs that do not exist, a global batch that does not split
+evenly across the replicas) and raises `ValueError` before any data or model work starts.
+
+Only the chief writes: the task of type `chief`, or `worker` 0 when the cluster has no chief.
+Other workers take part in every collective (including saving) but write into temporary
+directories that are deleted (the standard Keras multi-worker pattern).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import tensorflow as tf
+
+from cifar.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterTask:
+    """This process's place in a TF_CONFIG cluster."""
+
+    task_type: str
+    task_id: int
+    num_workers: int  # Chief plus workers: every process that trains.
+    is_chief: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """The local devices and the replica count a training run will use."""
+
+    device_type: str  # "CPU" or "GPU".
+    devices: tuple[str, ...]  # Local logical device names, e.g. ("/gpu:0", "/gpu:1").
+    gpu_ids: tuple[int, ...]  # Physical GPU ids (empty on CPU).
+    cluster: ClusterTask | None  # None outside a TF_CONFIG cluster.
+
+    @property
+    def num_workers(self) -> int:
+        return self.cluster.num_workers if self.cluster else 1
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.devices) * self.num_workers
+
+    @property
+    def is_chief(self) -> bool:
+        return self.cluster is None or self.cluster.is_chief
+
+    def summary(self) -> str:
+        """One line for logs and MLflow tags, e.g. '2 x GPU [0, 1], 1 worker(s)'."""
+        ids = f" {list(self.gpu_ids)}" if self.gpu_ids else ""
+        return f"{len(self.devices)} x {self.device_type}{ids}, {self.num_workers} worker(s), {self.num_replicas} replica(s)"
+
+
+def cluster_task(tf_config: str | None = None) -> ClusterTask | None:
+    """Parses TF_CONFIG (or the given JSON); None when this process is not part of a cluster."""
+    text = os.environ.get("TF_CONFIG", "") if tf_config is None else tf_config
+    if not text.strip():
+        return None
+    try:
+        value = json.loads(text)
+        cluster = value["cluster"]
+        task_type = value["task"]["type"]
+        task_id = int(value["task"]["index"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"TF_CONFIG is not a valid cluster spec: {error}") from error
+    num_workers = len(cluster.get("worker", [])) + len(cluster.get("chief", []))
+    if task_type not in cluster or task_id >= len(cluster[task_type]):
+        raise ValueError(f"TF_CONFIG task {task_type}:{task_id} is not in its cluster")
+    is_chief = task_type == "chief" or (task_type == "worker" and task_id == 0 and "chief" not in cluster)
+    return ClusterTask(task_type=task_type, task_id=task_id, num_workers=num_workers, is_chief=is_chief)
+
+
+def resolve_gpu_ids(gpus: int | list[int], available: int) -> list[int]:
+    """The physical GPU ids a request means, or ValueError when they do not exist."""
+    if isinstance(gpus, list):
+        missing = [index for index in gpus if index >= available]
+        if missing:
+            raise ValueError(f"gpus {gpus} requested but this machine has {available} GPU(s): ids {missing} do not exist")
+        return list(gpus)
+    if gpus > available:
+        raise ValueError(f"gpus={gpus} requested but this machine has {available} GPU(s)")
+    return list(range(gpus))
+
+
+def plan_devices(train: TrainConfig, *, tf_config: str | None = None) -> DevicePlan:
+    """Validates the device request and the batch split; raises ValueError before any work."""
+    cluster = cluster_task(tf_config)
+    available = len(tf.config.list_physical_devices("GPU"))
+    gpu_ids = resolve_gpu_ids(train.gpus, available)
+    if gpu_ids:
+        plan = DevicePlan("GPU", tuple(f"/gpu:{index}" for index in gpu_ids), tuple(gpu_ids), cluster)
+    else:
+        # The configured logical CPUs, read without initializing the runtime (GPU settings such
+        # as memory growth can still be changed after planning). A cluster worker uses one.
+        virtual = tf.config.get_logical_device_configuration(tf.config.list_physical_devices("CPU")[0])
+        count = 1 if cluster is not None else max(1, len(virtual or []))
+        names = tuple(f"/cpu:{index}" for index in range(count))
+        plan = DevicePlan("CPU", names, (), cluster)
+    if train.batch_size % plan.num_replicas:
+        raise ValueError(
+            f"batch_size {train.batch_size} is the global batch and must be divisible by the "
+            f"{plan.num_replicas} replicas ({plan.summary()})"
+        )
+    return plan
+
+
+def _restrict_visible_gpus(gpu_ids: tuple[int, ...]) -> None:
+    """Hides unselected GPUs from a multi-worker process (its strategy uses every visible device)."""
+    physical = tf.config.list_physical_devices("GPU")
+    if not physical:
+        return
+    try:
+        tf.config.set_visible_devices([physical[index] for index in gpu_ids], "GPU")
+    except RuntimeError:
+        # The runtime is already initialized (e.g. the caller ran TF ops first): keep what is visible.
+        pass
+
+
+def _patch_keras_multi_worker_reduce() -> None:
+    """Works around Keras 3.15 averaging scalar step results across workers.
+
+    Keras' TF trainer reduces every step output under MultiWorkerMirroredStrategy with
+    `strategy.reduce("MEAN", value, axis=0)`, which fails for the scalar loss and metrics
+    ("Invalid reduction dimension 0 for input with 0 dimensions"). This wraps its
+    `reduce_per_replica` so scalars are averaged across workers with `axis=None`; everything
+    else goes to the original. Idempotent.
+    """
+    from keras.src import tree
+    from keras.src.backend.tensorflow import trainer as tensorflow_trainer
+
+    original = tensorflow_trainer.reduce_per_replica
+    if getattr(original, "_cifar_patched", False):
+        return
+
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction not in ("auto", "mean") or not tensorflow_trainer._collective_all_reduce_multi_worker(strategy):
+            return original(values, strategy, reduction)
+
+        def reduce(value):
+            components = getattr(value, "values", (value,))
+            scalar = components[0].shape.rank == 0
+            return strategy.reduce("MEAN", value, axis=None if scalar else 0)
+
+        return tree.map_structure(reduce, values)
+
+    reduce_per_replica._cifar_patched = True
+    tensorflow_trainer.reduce_per_replica = reduce_per_replica
+
+
+def create_strategy(plan: DevicePlan) -> tf.distribute.Strategy:
+    """The strategy for a plan: one device, Mirrored over local devices, or MultiWorkerMirrored."""
+    if plan.cluster is not None:
+        _restrict_visible_gpus(plan.gpu_ids)
+        _patch_keras_multi_worker_reduce()
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    if len(plan.devices) == 1:
+        return tf.distribute.OneDeviceStrategy(plan.devices[0])
+    return tf.distribute.MirroredStrategy(devices=list(plan.devices))
+
+
+def writable_dir(plan: DevicePlan, directory: str | Path) -> Path:
+    """The chief writes to `directory`; other workers to a fresh temp dir (delete with `cleanup_dir`)."""
+    if plan.is_chief:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        return Path(directory)
+    return Path(tempfile.mkdtemp(prefix=f"worker-{plan.cluster.task_id}-"))
+
+
+def cleanup_dir(plan: DevicePlan, directory: str | Path) -> None:
+    """Deletes a non-chief worker's temporary directory; the chief's is kept."""
+    if not plan.is_chief:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,187 @@
+"""tf.data pipelines from the manifest's TFRecord shards to `(uint8 images, int32 labels)` batches.
+
+Training: shard files -> interleaved TFRecord readers -> (cache of the serialized records) ->
+shuffle with the seed -> repeat -> batch with the GLOBAL batch size (drop_remainder, so every step
+has the same shape) -> parse the whole batch at once -> batched random crop + flip -> prefetch.
+Batching before parsing turns 3,072-byte records into one `parse_example` and one `decode_raw`
+per step instead of one per image, and the augmentation is a single gather per batch.
+
+Evaluation: the same reader without shuffle, repeat or dropping, so every example is seen exactly
+once; the tutorial model's 24x24 input is a centre crop.
+
+Normalization is not done here: it is the model's first layer (see `cifar.models`). Under a
+`tf.distribute` strategy Keras splits each global batch into per-replica batches; across workers
+the datasets are sharded by element (`AutoShardPolicy.DATA`), which never duplicates or drops an
+example whatever the number of shard files, provided every worker sees the same order (the
+pipeline is made deterministic for multi-worker runs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tensorflow as tf
+
+from cifar.data.manifest import IMAGE_SHAPE, Manifest, load_manifest
+
+PAD_PIXELS = 4  # Pad-and-crop shift for 32x32 models (the ResNet paper's augmentation).
+FEATURES = {
+    "image": tf.io.FixedLenFeature([], tf.string),
+    "label": tf.io.FixedLenFeature([], tf.int64),
+}
+
+
+def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
+    """The batch each replica computes; the global batch must split evenly."""
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
+    if global_batch_size % num_replicas:
+        raise ValueError(
+            f"batch_size {global_batch_size} is the global batch and must be divisible by the "
+            f"{num_replicas} replicas"
+        )
+    return global_batch_size // num_replicas
+
+
+def parse_batch(serialized: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """A batch of serialized examples -> uint8 images (B, 32, 32, 3) and int32 labels (B,)."""
+    features = tf.io.parse_example(serialized, FEATURES)
+    pixels = tf.io.decode_raw(features["image"], tf.uint8)  # (B, 3072)
+    images = tf.reshape(pixels, [-1, *IMAGE_SHAPE])  # (B, 32, 32, 3)
+    return images, tf.cast(features["label"], tf.int32)
+
+
+def _gather_crops(images: tf.Tensor, rows: tf.Tensor, columns: tf.Tensor) -> tf.Tensor:
+    """Per-example crops by index grids: rows (B, H) and columns (B, W) into images (B, H0, W0, C)."""
+    images = tf.gather(images, rows, axis=1, batch_dims=1)  # (B, H, W0, C)
+    return tf.gather(images, columns, axis=2, batch_dims=1)  # (B, H, W, C)
+
+
+def random_crop_flip(images: tf.Tensor, size: int, pad: int, seed: tf.Tensor) -> tf.Tensor:
+    """Batched augmentation: zero-pad by `pad`, take a random `size` crop per image, flip half.
+
+    `seed` is a stateless seed (shape (2,)), so the same seed gives the same crops and flips.
+    """
+    if pad:
+        images = tf.pad(images, [[0, 0], [pad, pad], [pad, pad], [0, 0]])
+    batch = tf.shape(images)[0]
+    max_offset = tf.shape(images)[1] - size
+    seeds = tf.random.experimental.stateless_split(seed, 3)
+    row_offsets = tf.random.stateless_uniform([batch, 1], seeds[0], 0, max_offset + 1, dtype=tf.int32)
+    column_offsets = tf.random.stateless_uniform([batch, 1], seeds[1], 0, max_offset + 1, dtype=tf.int32)
+    flips = tf.random.stateless_uniform([batch, 1], seeds[2], 0, 2, dtype=tf.int32)
+    steps = tf.range(size, dtype=tf.int32)[None, :]  # (1, size)
+    rows = row_offsets + steps  # (B, size)
+    # A flipped image reads its columns right to left.
+    columns = column_offsets + tf.where(flips == 1, size - 1 - steps, steps)  # (B, size)
+    return _gather_crops(images, rows, columns)
+
+
+def center_crop(images: tf.Tensor, size: int) -> tf.Tensor:
+    """The central `size` x `size` window of every image."""
+    offset = (images.shape[1] - size) // 2
+    return images[:, offset:offset + size, offset:offset + size, :]
+
+
+def _records(paths: list[str], *, deterministic: bool, shuffle_files_seed: int | None) -> tf.data.Dataset:
+    if not paths:
+        raise ValueError("no shard files to read: the split is empty")
+    files = tf.data.Dataset.from_tensor_slices(paths)
+    if shuffle_files_seed is not None:
+        files = files.shuffle(len(paths), seed=shuffle_files_seed)
+    return files.interleave(
+        tf.data.TFRecordDataset,
+        cycle_length=min(len(paths), 8),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=deterministic,
+    )
+
+
+def _options(deterministic: bool) -> tf.data.Options:
+    options = tf.data.Options()
+    options.deterministic = deterministic
+    # Element-wise sharding across workers: correct for any number of shard files.
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return options
+
+
+def split_paths(manifest: Manifest, data_dir: str | Path, splits: list[str]) -> list[str]:
+    """Absolute shard paths of the named splits, in manifest order."""
+    return [path for split in splits for path in manifest.shard_paths(data_dir, split)]
+
+
+def split_size(manifest: Manifest, splits: list[str]) -> int:
+    return sum(manifest.splits[split].num_examples for split in splits if split in manifest.splits)
+
+
+def make_train_dataset(
+    data_dir: str | Path,
+    *,
+    splits: list[str],
+    batch_size: int,
+    image_size: int,
+    seed: int,
+    augment: bool = True,
+    cache: bool = True,
+    shuffle_buffer: int = 10_000,
+    deterministic: bool = False,
+    start_step: int = 0,
+) -> tf.data.Dataset:
+    """An endless stream of shuffled, augmented GLOBAL batches from the training splits.
+
+    `start_step` offsets the per-batch augmentation seeds and the shuffle seed so a resumed run
+    does not replay the first epochs' crops and order.
+    """
+    manifest = load_manifest(data_dir)
+    paths = split_paths(manifest, data_dir, splits)
+    pad = PAD_PIXELS if image_size == IMAGE_SHAPE[0] else 0
+    shuffle_seed = seed + 1_000_003 * start_step
+    dataset = _records(paths, deterministic=deterministic, shuffle_files_seed=shuffle_seed)
+    if cache:
+        dataset = dataset.cache()  # Serialized records: ~3 KB each, parsed per batch below.
+    dataset = dataset.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=True)
+    dataset = dataset.repeat()
+    dataset = dataset.batch(batch_size, drop_remainder=True)
+    # Pair every batch with its step number: the augmentation seed is (seed, step), stateless.
+    dataset = tf.data.Dataset.zip(dataset, tf.data.Dataset.counter(start_step))
+
+    def parse_and_augment(serialized, step):
+        images, labels = parse_batch(serialized)
+        if augment:
+            batch_seed = tf.stack([tf.cast(seed, tf.int64), step])
+            images = random_crop_flip(images, image_size, pad, batch_seed)
+        elif image_size != IMAGE_SHAPE[0]:
+            images = center_crop(images, image_size)
+        return images, labels
+
+    dataset = dataset.map(parse_and_augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
+    return dataset.prefetch(tf.data.AUTOTUNE).with_options(_options(deterministic))
+
+
+def make_eval_dataset(
+    data_dir: str | Path,
+    *,
+    splits: list[str],
+    batch_size: int,
+    image_size: int,
+    cache: bool = False,
+) -> tf.data.Dataset:
+    """Every example of the splits exactly once, in file order, in batches (the last may be short)."""
+    manifest = load_manifest(data_dir)
+    paths = split_paths(manifest, data_dir, splits)
+    dataset = _records(paths, deterministic=True, shuffle_files_seed=None)
+    if cache:
+        dataset = dataset.cache()
+    dataset = dataset.batch(batch_size, drop_remainder=False)
+
+    def parse_and_crop(serialized):
+        images, labels = parse_batch(serialized)
+        if image_size != IMAGE_SHAPE[0]:
+            images = center_crop(images, image_size)
+        return images, labels
+
+    dataset = dataset.map(parse_and_crop, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    # TFRecord readers hide the size; stating it lets Keras know the number of steps up front.
+    num_batches = -(-split_size(manifest, splits) // batch_size)
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(num_batches))
+    return dataset.prefetch(tf.data.AUTOTUNE).with_options(_options(True))
