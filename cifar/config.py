@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 OFFICIAL_PYTHON_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 OFFICIAL_PYTHON_MD5 = "c58f30108f718f92721af3b95e74349a"
@@ -118,6 +118,12 @@ class TrainConfig(Section):
             if any(index < 0 for index in value) or len(set(value)) != len(value):
                 raise ValueError(f"gpus list must hold distinct non-negative ids, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _warmup_within_run(self) -> "TrainConfig":
+        if self.warmup_epochs >= self.epochs and self.schedule != "constant":
+            raise ValueError(f"warmup_epochs ({self.warmup_epochs}) must be shorter than epochs ({self.epochs})")
+        return self
 
     @field_validator("run_name")
     @classmethod

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import keras
+import numpy as np
 import pydantic
 import tensorflow as tf
 
@@ -57,7 +58,8 @@ from cifar.config import PipelineConfig, resolve_workdir
 from cifar.data.manifest import Manifest, load_manifest
 from cifar.input_pipeline import make_eval_dataset, make_train_dataset, split_size
 from cifar.io import atomic_write_json, read_json
-from cifar.models import build_model, input_size
+from cifar.layers import PatchWhitening
+from cifar.models import build_model, init_whitening, input_size
 from cifar.train_plots import plot_training_curves
 from cifar.workdir import run_dir as run_dir_of
 from cifar.workdir import stable_hash
@@ -287,13 +289,25 @@ def _open_tracking(config, run: _Run, workdir, data_dir, manifest, history, extr
     return run_id
 
 
+def _whitening_images(config: PipelineConfig, data_dir: Path, count: int = 5_000) -> np.ndarray:
+    """The first `count` training images (uint8, HWC), for data-dependent first-layer initialization."""
+    train_splits, _ = training_splits(config, load_manifest(data_dir))
+    dataset = make_eval_dataset(data_dir, splits=train_splits, batch_size=count, image_size=32)
+    images, _ = next(iter(dataset))
+    return images.numpy()
+
+
 def _build_model(config: PipelineConfig, manifest: Manifest, plan, strategy, steps_per_epoch: int,
-                 jit_compile: bool, checkpoint: Path | None) -> keras.Model:
+                 jit_compile: bool, checkpoint: Path | None, data_dir: Path) -> keras.Model:
     """The compiled model under the strategy, restored from `checkpoint` (weights + optimizer) if given."""
     train_config = config.train
     with strategy.scope():
         model = build_model(train_config.model, mean=manifest.mean, std=manifest.std,
                             fused_batchnorm=train_config.fused_batchnorm)
+        if checkpoint is None and any(isinstance(layer, PatchWhitening) for layer in model.layers):
+            # The fast net's frozen first conv whitens 2x2 patches; its filters come from the data
+            # (airbench94's init_whitening_conv). A resumed run restores them from the checkpoint.
+            init_whitening(model, _whitening_images(config, data_dir))
         add_weight_decay(model, train_config.weight_decay)
         compile_model(model, config, steps_per_epoch, jit_compile)
         if plan.cluster is not None:
@@ -372,7 +386,7 @@ def train(
                                                        initial_epoch)
     checkpoint = run.checkpoint_dir / index.latest.model_path if initial_epoch else None
     model = _build_model(config, manifest, plan, strategy, steps_per_epoch,
-                         performance.get("jit_compile") == "true", checkpoint)
+                         performance.get("jit_compile") == "true", checkpoint, data_dir)
     if initial_epoch:
         logger.info("resuming %s after epoch %d", run.name, initial_epoch)
 
