@@ -26,6 +26,7 @@ class Shard(BaseModel):
     path: str  # Relative to the data directory.
     sha256: str
     num_examples: int
+    num_bytes: int | None = None  # File size: a cheap completeness check before trusting a data dir.
 
 
 class Split(BaseModel):

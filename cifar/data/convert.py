@@ -1,0 +1,197 @@
+"""Splits the dataset and writes it as TFRecord shards of serialized `tf.train.Example` protos.
+
+Every example has the same two features, `image` (3,072 raw bytes) and `label` (int64 0..9), so every
+serialized proto has the same length and the same bytes around the pixels and the label. Instead of
+building 60,000 `tf.train.Example` objects one at a time, `encode_records` fills one (N, 3126) uint8
+array in a few vectorised numpy copies: per row, the TFRecord header (length and its CRC, constant),
+the serialized proto and the masked CRC32C of the proto. The protos are byte-identical to
+`tf.train.Example(...).SerializeToString()` with the features in sorted order and a shard is
+byte-identical to what `tf.io.TFRecordWriter` writes (tests check both), so TensorFlow is not needed
+here at all; a shard is one `write` and one SHA-256 over the same memory.
+
+Splits: `train` is the first N - validation_size training images, `validation` the last
+validation_size (the official order is already random), `test` the test batch. A split with no
+examples (validation_size 0) has no shards. Examples keep their archive order inside a split and
+shard k holds a contiguous slice, so the same input always gives byte-identical shards; training
+shuffles at read time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import google_crc32c
+import numpy as np
+
+from cifar.config import DataConfig
+from cifar.data.archive import RawDataset
+from cifar.data.manifest import NUM_CLASSES, Shard, Split
+
+logger = logging.getLogger("cifar.data")
+
+SPLITS = ("train", "validation", "test")
+IMAGE_BYTES = 32 * 32 * 3
+MAX_WRITER_THREADS = 4  # File writes and hashlib release the GIL, so a few shards can be written at once.
+
+ShardCallback = Callable[[str, Shard], None]
+
+
+def _varint(value: int) -> bytes:
+    """Protocol-buffer base-128 varint encoding of a non-negative integer."""
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _example_template() -> tuple[bytes, bytes]:
+    """The constant bytes before the pixels and before the label byte of every serialized Example.
+
+    Example{features=1: Features{feature=1: map entries {key=1, value=2: Feature}}}; the image is a
+    BytesList (Feature field 1) of one 3,072-byte value, the label an Int64List (Feature field 3) of
+    one packed varint, which is a single byte for labels 0..9.
+    """
+    marker = b"\x00" * IMAGE_BYTES
+    image_entry = _field(1, b"image") + _field(2, _field(1, _field(1, marker)))
+    label_entry = _field(1, b"label") + _field(2, _field(3, _field(1, b"\x00")))
+    example = _field(1, _field(1, image_entry) + _field(1, label_entry))
+    pixels_at = example.index(marker)
+    # The label's varint is the very last byte of the serialized proto.
+    return example[:pixels_at], example[pixels_at + IMAGE_BYTES:-1]
+
+
+PREFIX, MIDDLE = _example_template()
+RECORD_BYTES = len(PREFIX) + IMAGE_BYTES + len(MIDDLE) + 1  # 3,110 bytes per serialized Example.
+CRC_MASK_DELTA = 0xA282EAD8  # TFRecord stores CRCs "masked" (rotated, plus this constant).
+
+
+def masked_crc32c(data: bytes | np.ndarray) -> int:
+    """The masked CRC32C TFRecord stores after the length and after the data."""
+    crc = google_crc32c.value(data)
+    return (((crc >> 15) | (crc << 17)) + CRC_MASK_DELTA) & 0xFFFFFFFF
+
+
+_LENGTH = struct.pack("<Q", RECORD_BYTES)
+# Every record has the same length, so the 12-byte header (length, masked CRC of the length) is constant.
+RECORD_HEADER = _LENGTH + struct.pack("<I", masked_crc32c(_LENGTH))
+FRAMED_RECORD_BYTES = len(RECORD_HEADER) + RECORD_BYTES + 4  # 3,126 bytes per record in a shard file.
+
+
+def encode_records(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """TFRecord-framed serialized `tf.train.Example` protos, one row each: uint8 (N, FRAMED_RECORD_BYTES)."""
+    if images.dtype != np.uint8 or images.shape[1:] != (32, 32, 3):
+        raise ValueError(f"images must be uint8 (N, 32, 32, 3), got {images.dtype} {images.shape}")
+    if len(labels) != len(images):
+        raise ValueError(f"{len(labels)} labels for {len(images)} images")
+    if len(labels) and (labels.min() < 0 or labels.max() > 127):
+        # Labels up to 127 fit the single varint byte the template reserves.
+        raise ValueError(f"labels must be in 0..127 to encode, got {labels.min()}..{labels.max()}")
+    framed = np.empty((len(images), FRAMED_RECORD_BYTES), dtype=np.uint8)
+    image_start = len(RECORD_HEADER) + len(PREFIX)
+    middle_start = image_start + IMAGE_BYTES
+    framed[:, :image_start] = np.frombuffer(RECORD_HEADER + PREFIX, dtype=np.uint8)
+    framed[:, image_start:middle_start] = images.reshape(len(images), IMAGE_BYTES)
+    framed[:, middle_start:-5] = np.frombuffer(MIDDLE, dtype=np.uint8)
+    framed[:, -5] = labels
+    examples = framed[:, len(RECORD_HEADER):-4]  # (N, RECORD_BYTES) view; each row is contiguous.
+    crcs = np.fromiter((masked_crc32c(example) for example in examples), dtype="<u4", count=len(examples))
+    framed[:, -4:] = crcs.view(np.uint8).reshape(-1, 4)
+    return framed
+
+
+def encode_examples(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Serialized `tf.train.Example` protos without the TFRecord framing: uint8 (N, RECORD_BYTES)."""
+    return encode_records(images, labels)[:, len(RECORD_HEADER):-4]
+
+
+def shard_bounds(num_examples: int, num_shards: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) ranges of near-equal size; never more shards than examples, none if empty."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    count = min(num_shards, num_examples)
+    edges = [index * num_examples // count for index in range(count + 1)] if count else []
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def shard_name(split: str, index: int, count: int) -> str:
+    """File name of shard `index` of `count` in a split, e.g. train-00000-of-00008.tfrecord."""
+    return f"{split}-{index:05d}-of-{count:05d}.tfrecord"
+
+
+def split_dataset(dataset: RawDataset, validation_size: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(images, labels) per split: train = first N - validation_size, validation = the rest, test."""
+    if not 0 <= validation_size < len(dataset.train_images):
+        raise ValueError(
+            f"validation_size must be in 0..{len(dataset.train_images) - 1}, got {validation_size}"
+        )
+    cut = len(dataset.train_images) - validation_size
+    return {
+        "train": (dataset.train_images[:cut], dataset.train_labels[:cut]),
+        "validation": (dataset.train_images[cut:], dataset.train_labels[cut:]),
+        "test": (dataset.test_images, dataset.test_labels),
+    }
+
+
+def class_counts(labels: np.ndarray) -> list[int]:
+    """Examples per class id."""
+    return [int(count) for count in np.bincount(labels, minlength=NUM_CLASSES)]
+
+
+def write_shard(path: Path, records: np.ndarray) -> Shard:
+    """Writes one TFRecord file of framed records (rows of `encode_records`) and returns its manifest entry."""
+    records = np.ascontiguousarray(records)
+    with open(path, "wb") as handle:
+        handle.write(records.data)
+    return Shard(
+        path=path.name, sha256=hashlib.sha256(records.data).hexdigest(), num_examples=len(records),
+        num_bytes=records.nbytes,
+    )
+
+
+def convert_dataset(
+    dataset: RawDataset,
+    config: DataConfig,
+    output_dir: str | Path,
+    on_shard: ShardCallback | None = None,
+) -> dict[str, Split]:
+    """Writes every split's shards into `output_dir` and returns the manifest's split entries."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    shard_counts = {"train": config.train_shards, "validation": config.validation_shards, "test": config.test_shards}
+    jobs: list[tuple[str, Path, np.ndarray]] = []
+    splits: dict[str, Split] = {}
+    for split, (images, labels) in split_dataset(dataset, config.validation_size).items():
+        records = encode_records(images, labels)
+        bounds = shard_bounds(len(records), shard_counts[split])
+        for index, (start, stop) in enumerate(bounds):
+            jobs.append((split, output_dir / shard_name(split, index, len(bounds)), records[start:stop]))
+        splits[split] = Split(num_examples=len(labels), class_counts=class_counts(labels), shards=[])
+    shards = _write_shards(jobs, on_shard)
+    # Shards are listed in job order (split, then index), whatever order the threads finished in.
+    for (split, _, _), shard in zip(jobs, shards):
+        splits[split].shards.append(shard)
+    return splits
+
+
+def _write_shards(jobs: list[tuple[str, Path, np.ndarray]], on_shard: ShardCallback | None) -> list[Shard]:
+    """Writes the shards on a few threads, reporting each as it finishes."""
+    with ThreadPoolExecutor(max_workers=min(MAX_WRITER_THREADS, max(1, len(jobs)))) as executor:
+        futures = [executor.submit(write_shard, path, records) for _, path, records in jobs]
+        for (split, _, _), future in zip(jobs, futures):
+            shard = future.result()
+            logger.info("Wrote %s (%d examples, %.1f MB)", shard.path, shard.num_examples, shard.num_bytes / 1e6)
+            if on_shard is not None:
+                on_shard(split, shard)
+        return [future.result() for future in futures]

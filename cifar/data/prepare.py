@@ -1,0 +1,333 @@
+"""The data stage: archive in, verified TFRecord shards + manifest + statistics out, or the finished ones reused.
+
+    fetch (verify checksums) -> read (safe, restricted unpickler) -> validate -> convert (shards)
+    -> statistics -> manifest, all into a temp directory renamed to WORKDIR/data/cifar10-<key>.
+
+`<key>` (`data_key`) hashes the archive's SHA-256, the settings that shape the shards and the format
+version. When that directory already holds a complete manifest whose shards have their recorded
+sizes, nothing is converted again; `verify_data_dir` re-hashes every shard when that cheap check is
+not enough. A partial or damaged directory is removed and rebuilt, never returned.
+
+A local archive is read on a second thread while its checksum is computed: reading is safe before
+verification (members checked, pickles restricted, nothing written) and its result is used only
+after the checksum matched. The early read is skipped when a finished directory for the same source
+and settings exists, because then the stage will most likely reuse it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+import urllib.parse
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from pydantic import BaseModel, ConfigDict
+
+from cifar.config import DataConfig, resolve_workdir
+from cifar.data.archive import RawDataset, read_archive
+from cifar.data.convert import SPLITS, convert_dataset
+from cifar.data.download import ArchiveInfo, fetch_archive
+from cifar.data.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, Shard, SourceInfo, load_manifest, write_manifest
+from cifar.data.stats import channel_statistics, write_class_histogram, write_statistics
+from cifar.data.validate import validate_dataset
+from cifar.io import atomic_directory, file_digest, read_json
+from cifar.workdir import data_root, downloads_dir, stable_hash
+
+logger = logging.getLogger("cifar.data")
+
+ProgressCallback = Callable[[str, float], None]
+
+# Each step's share of the whole stage, for the progress callback (fractions of the stage, 0..1).
+STEP_SPANS = {
+    "fetch": (0.0, 0.1),
+    "read": (0.1, 0.35),
+    "validate": (0.35, 0.4),
+    "convert": (0.4, 0.95),
+    "statistics": (0.95, 1.0),
+}
+
+
+class IncompleteDataError(ValueError):
+    """A data directory is missing files, or a file differs from what its manifest records."""
+
+
+class DataResult(BaseModel):
+    """Where the data stage's output is and whether it was reused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data_dir: str
+    manifest_path: str
+    source_sha256: str
+    reused: bool
+    counts: dict[str, int]  # Examples per split.
+
+
+def data_settings(config: DataConfig) -> dict[str, int]:
+    """The settings that shape the shards (recorded in the manifest and hashed into the key)."""
+    return {
+        "validation_size": config.validation_size,
+        "train_shards": config.train_shards,
+        "validation_shards": config.validation_shards,
+        "test_shards": config.test_shards,
+    }
+
+
+def data_key(source_sha256: str, config: DataConfig) -> str:
+    """Stable hash of the archive digest, the shard-shaping settings and the format version."""
+    return stable_hash({"source_sha256": source_sha256, "format_version": FORMAT_VERSION, **data_settings(config)})
+
+
+class _Progress:
+    """Maps (step, fraction of that step) to a fraction of the whole stage for the caller's callback."""
+
+    def __init__(self, callback: ProgressCallback | None) -> None:
+        self.callback = callback
+
+    def __call__(self, step: str, step_fraction: float = 0.0) -> None:
+        start, stop = STEP_SPANS.get(step, (1.0, 1.0))
+        if self.callback is not None:
+            self.callback(step, start + (stop - start) * min(max(step_fraction, 0.0), 1.0))
+
+
+def prepare_data(
+    config: DataConfig, workdir: str | Path, progress: ProgressCallback | None = None
+) -> DataResult:
+    """Fetches and converts the archive into WORKDIR/data/cifar10-<key>, or reuses the finished directory.
+
+    `progress(step, fraction)` is called with the current step name and the fraction (0..1) of the
+    whole stage done so far.
+    """
+    workdir = resolve_workdir(workdir)
+    report = _Progress(progress)
+    stop = threading.Event()
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cifar-read")
+    try:
+        return _prepare(config, workdir, report, executor, stop)
+    finally:
+        # A read still running (the directory was reusable, or the checksum failed) ends at its next
+        # member in the background; nobody waits for it.
+        stop.set()
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _prepare(
+    config: DataConfig, workdir: Path, report: _Progress, executor: ThreadPoolExecutor, stop: threading.Event
+) -> DataResult:
+    """fetch -> reuse check -> read -> build, with a local archive read while its checksum is computed."""
+    local_path = _local_source(config.source)
+    early_read: Future[RawDataset] | None = None
+    if local_path is not None and local_path.is_file() and not _probably_built(workdir, config):
+        # Reading is safe before verification (members are checked, pickles restricted, nothing is
+        # written), so a local archive is read on a second core while the first one hashes it.
+        early_read = executor.submit(read_archive, local_path, stop=stop)
+    archive = _fetch(config, workdir, report)
+    data_dir = data_root(workdir) / f"cifar10-{data_key(archive.sha256, config)}"
+
+    manifest = _reusable_manifest(data_dir, archive.sha256, config)
+    if manifest is not None:
+        logger.info("Reusing %s (same archive and settings)", data_dir)
+        report("done", 1.0)
+        return _result(data_dir, manifest, reused=True)
+    if data_dir.exists():
+        logger.warning("Removing incomplete or stale data directory %s before rebuilding it", data_dir)
+        shutil.rmtree(data_dir)
+
+    started = time.perf_counter()
+    report("read", 0.0)
+    if early_read is not None and Path(archive.path) == local_path:
+        logger.info("Reading %s (started while its checksum was computed)", archive.path)
+        dataset = early_read.result()
+    else:
+        logger.info("Reading %s", archive.path)
+        dataset = read_archive(archive.path)
+    logger.info("Read %s layout: %d training and %d test images",
+                dataset.layout, len(dataset.train_images), len(dataset.test_images))
+    try:
+        with atomic_directory(data_dir) as temp:
+            manifest = _build(temp, dataset, archive, config, report)
+    except OSError:
+        # A concurrent run may have renamed its finished directory into place first: use it.
+        manifest = _reusable_manifest(data_dir, archive.sha256, config)
+        if manifest is None:
+            raise
+        logger.info("Another run finished %s first; reusing it", data_dir)
+        return _result(data_dir, manifest, reused=True)
+    logger.info("Data stage wrote %s in %.1f s", data_dir, time.perf_counter() - started)
+    report("done", 1.0)
+    return _result(data_dir, manifest, reused=False)
+
+
+def _probably_built(workdir: Path, config: DataConfig) -> bool:
+    """Whether a finished directory for this source and these settings exists (the digest is not known yet).
+
+    Then the archive is most likely unchanged and will be reused, so reading it early would only compete
+    with the checksum for the CPU.
+    """
+    for manifest_path in sorted(data_root(workdir).glob(f"cifar10-*/{MANIFEST_NAME}")):
+        try:
+            manifest = read_json(manifest_path)
+            if manifest["source"]["location"] == config.source and manifest["settings"] == data_settings(config):
+                return True
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return False
+
+
+def _local_source(source: str) -> Path | None:
+    """The file a local path or file:// source names, or None for a remote URL."""
+    parts = urllib.parse.urlsplit(source.strip())
+    scheme = parts.scheme.lower()
+    if scheme == "file" and parts.netloc in {"", "localhost"}:
+        return Path(urllib.request.url2pathname(parts.path)).resolve()
+    # A one-letter "scheme" is a Windows drive letter, not a URL.
+    if scheme == "" or len(scheme) == 1:
+        return Path(source.strip()).expanduser().resolve()
+    return None
+
+
+def _fetch(config: DataConfig, workdir: Path, report: _Progress) -> ArchiveInfo:
+    """Downloads (or locates) and verifies the archive."""
+    report("fetch", 0.0)
+    logger.info("Fetching and verifying %s", config.source)
+
+    def on_bytes(done: int, total: int | None) -> None:
+        if total:
+            report("fetch", done / total)
+
+    archive = fetch_archive(
+        config.source, downloads_dir(workdir), sha256=config.sha256, md5=config.expected_md5(),
+        retries=config.download_retries, progress=on_bytes,
+    )
+    logger.info("Archive %s verified (sha256 %s)", archive.path, archive.sha256)
+    report("fetch", 1.0)
+    return archive
+
+
+def _build(output_dir: Path, dataset: RawDataset, archive: ArchiveInfo, config: DataConfig,
+           report: _Progress) -> Manifest:
+    """Validates, converts and summarises the dataset into `output_dir`; returns the manifest."""
+    report("validate", 0.0)
+    validate_dataset(dataset, config)
+
+    report("convert", 0.0)
+    total_shards = sum(min(count, examples) for count, examples in _shard_plan(dataset, config))
+    written: list[Shard] = []
+
+    def on_shard(split: str, shard: Shard) -> None:
+        written.append(shard)
+        logger.info("Converting: %d of %d shards written", len(written), total_shards)
+        report("convert", len(written) / max(total_shards, 1))
+
+    train_images = dataset.train_images[: len(dataset.train_images) - config.validation_size]
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        # The statistics (numpy, which releases the GIL) are computed while the shards are written.
+        statistics = executor.submit(channel_statistics, train_images)
+        splits = convert_dataset(dataset, config, output_dir, on_shard=on_shard)
+        report("statistics", 0.0)
+        mean, std = statistics.result()
+    logger.info("Training split mean %s, std %s", _rounded(mean), _rounded(std))
+    write_statistics(output_dir, mean, std, splits["train"].num_examples)
+    write_class_histogram(output_dir, splits, dataset.class_names)
+    manifest = Manifest(
+        source=SourceInfo(location=config.source, sha256=archive.sha256, md5=archive.md5, layout=dataset.layout),
+        class_names=dataset.class_names,
+        settings=data_settings(config),
+        splits=splits,
+        mean=mean,
+        std=std,
+    )
+    write_manifest(output_dir, manifest)
+    # The temp directory and the manifest are created private (0700 / 0600); the data is readable by
+    # the other processes (training, serving) like any other output file.
+    os.chmod(output_dir, 0o755)
+    os.chmod(output_dir / MANIFEST_NAME, 0o644)
+    report("statistics", 1.0)
+    return manifest
+
+
+def _shard_plan(dataset: RawDataset, config: DataConfig) -> list[tuple[int, int]]:
+    """(requested shards, examples) per split, to count the shards before writing them."""
+    num_train = len(dataset.train_images) - config.validation_size
+    return [(config.train_shards, num_train), (config.validation_shards, config.validation_size),
+            (config.test_shards, len(dataset.test_images))]
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(value, 4) for value in values]
+
+
+def _result(data_dir: Path, manifest: Manifest, *, reused: bool) -> DataResult:
+    return DataResult(
+        data_dir=str(data_dir),
+        manifest_path=str(data_dir / MANIFEST_NAME),
+        source_sha256=manifest.source.sha256,
+        reused=reused,
+        counts={split: manifest.splits[split].num_examples for split in SPLITS},
+    )
+
+
+# Checking a finished directory.
+
+
+def _check_data_dir(data_dir: str | Path, *, check_digests: bool) -> Manifest:
+    """The manifest, after checking every file it names exists with its size (and digest, if asked)."""
+    data_dir = Path(data_dir)
+    try:
+        manifest = load_manifest(data_dir)
+    except (OSError, ValueError) as error:
+        raise IncompleteDataError(f"{data_dir}: no readable manifest: {error}") from error
+    missing_splits = [split for split in SPLITS if split not in manifest.splits]
+    if missing_splits:
+        raise IncompleteDataError(f"{data_dir}: manifest lacks splits {missing_splits}")
+    for split in SPLITS:
+        entry = manifest.splits[split]
+        if sum(shard.num_examples for shard in entry.shards) != entry.num_examples:
+            raise IncompleteDataError(f"{data_dir}: {split} shards do not add up to {entry.num_examples} examples")
+        for shard in entry.shards:
+            _check_shard(data_dir, shard, check_digests)
+    for name in (manifest.statistics_file, manifest.class_histogram_file):
+        if not (data_dir / name).is_file():
+            raise IncompleteDataError(f"{data_dir}: {name} is missing")
+    return manifest
+
+
+def _check_shard(data_dir: Path, shard: Shard, check_digests: bool) -> None:
+    """One shard exists, has its recorded size and, when asked, its recorded SHA-256."""
+    path = data_dir / shard.path
+    if not path.is_file():
+        raise IncompleteDataError(f"{data_dir}: shard {shard.path} is missing")
+    if shard.num_bytes is not None and path.stat().st_size != shard.num_bytes:
+        raise IncompleteDataError(
+            f"{data_dir}: shard {shard.path} has {path.stat().st_size:,} bytes, manifest says {shard.num_bytes:,}"
+        )
+    if check_digests:
+        actual = file_digest(path)
+        if actual != shard.sha256:
+            raise IncompleteDataError(f"{data_dir}: shard {shard.path} has sha256 {actual}, manifest says {shard.sha256}")
+
+
+def verify_data_dir(data_dir: str | Path) -> None:
+    """Re-hashes every shard of a data directory; raises IncompleteDataError on any missing or changed file."""
+    _check_data_dir(data_dir, check_digests=True)
+
+
+def _reusable_manifest(data_dir: Path, source_sha256: str, config: DataConfig) -> Manifest | None:
+    """The manifest of a complete directory for this archive and these settings (cheap check), else None."""
+    if not os.path.isdir(data_dir):
+        return None
+    try:
+        manifest = _check_data_dir(data_dir, check_digests=False)
+    except IncompleteDataError as error:
+        logger.warning("Not reusing %s: %s", data_dir, error)
+        return None
+    if manifest.source.sha256 != source_sha256 or manifest.settings != data_settings(config):
+        logger.warning("Not reusing %s: it was built from another archive or other settings", data_dir)
+        return None
+    return manifest
