@@ -1,0 +1,70 @@
+"""The `cifar-sweep` flow: a grid of models x learning rates, one child `cifar` flow run per point.
+
+    python flows/sweep.py                                     # the smoke preset's grid, locally
+    prefect deployment run cifar-sweep/sweep -p models='["resnet20","resnet32"]'
+
+Every child is an ordinary pipeline run (cached stages, its own training directory); in MLflow the
+children hang under one parent run (`mlflow.parentRunId`) so the UI compares them side by side.
+Points run one after another: the `training` tag limit would serialise them on one device anyway.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from prefect import flow  # noqa: E402
+
+from cifar.config import PipelineConfig, Stage  # noqa: E402
+from cifar.tracking import resolve_tracking_uri  # noqa: E402
+from flows.pipeline import cifar_pipeline, with_preset  # noqa: E402
+from tasks.sweep import attach_child_run, close_sweep_run, open_sweep_run  # noqa: E402
+
+
+def grid_point(config: PipelineConfig, model: str, learning_rate: float) -> PipelineConfig:
+    """The config of one point: the base config with this model and learning rate."""
+    train = config.train.model_copy(update={"model": model, "learning_rate": learning_rate})
+    return config.model_copy(update={"train": train.model_validate(train.model_dump())})
+
+
+@flow(name="cifar-sweep", log_prints=True)
+def sweep(
+    config: PipelineConfig = PipelineConfig(preset="smoke"),
+    models: list[str] = ["tiny", "tutorial"],  # noqa: B006  Prefect renders the default in the UI.
+    learning_rates: list[float] = [0.02, 0.05],  # noqa: B006
+    workdir: str = "./workdir",
+    until: Stage = "evaluate",
+) -> dict[str, Any]:
+    """Runs the pipeline for every (model, learning rate) and groups the MLflow runs under one parent."""
+    if until == "data":
+        raise ValueError("until must be train, evaluate or export: a sweep compares trained models")
+    config = with_preset(config)
+    points = [grid_point(config, model, rate) for model, rate in itertools.product(models, learning_rates)]
+    tracking_uri = resolve_tracking_uri(config.tracking, workdir)
+    parent_run_id = open_sweep_run(config, workdir, f"sweep-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}",
+                                   {"model": models, "learning_rate": learning_rates})
+
+    rows = []
+    for point in points:
+        name = f"{point.train.model}-lr{point.train.learning_rate:g}"
+        summary = cifar_pipeline.with_options(flow_run_name=name)(config=point, workdir=workdir, until=until)
+        attach_child_run(tracking_uri, parent_run_id, summary["mlflow_run_id"])
+        rows.append({"model": point.train.model, "learning_rate": point.train.learning_rate,
+                     "val_accuracy": summary.get("val_accuracy"), "test_accuracy": summary.get("test_accuracy"),
+                     "mlflow_run_id": summary["mlflow_run_id"], "run_name": summary["run_name"]})
+
+    metric = "val_accuracy" if any(row["val_accuracy"] is not None for row in rows) else "test_accuracy"
+    best = close_sweep_run(tracking_uri, parent_run_id, rows, metric)
+    print(f"Sweep parent run {parent_run_id}: best {best}")
+    return {"parent_run_id": parent_run_id, "runs": rows, "best": best}
+
+
+if __name__ == "__main__":
+    sweep()

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# `prefect server start "$@"`, with Prefect 3.8.8's SQLite event writer made idempotent.
+#
+#   scripts/prefect_server.sh --host 127.0.0.1 --port 4200
+#
+# Why (docs/ORCHESTRATION.md, "NOT NULL constraint failed: events.occurred"): events reach the server at
+# least once, and on SQLite Prefect's `_write_sqlite_events` runs `INSERT ... VALUES ()` with no rows
+# when every event of a batch is already stored (and fails on the primary key when one event appears
+# twice in a batch). This launcher drops those duplicates before Prefect's writer sees them, then
+# runs the ordinary `prefect server start` in the same process (one API worker, the default).
+# Other Prefect versions start unpatched, with a warning. On PostgreSQL the patch is a no-op.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec "${PYTHON:-.venv/bin/python}" - "$@" <<'PY'
+import sys
+
+import prefect
+import sqlalchemy as sa
+
+if prefect.__version__ == "3.8.8":
+    from prefect.server.database import provide_database_interface
+    from prefect.server.events.services import event_persister
+    from prefect.server.events.storage import database as event_storage
+
+    prefect_write_events = event_storage.write_events
+
+    async def write_events(session, events):
+        """Prefect's writer without the duplicates it cannot handle on SQLite."""
+        unique = list({event.id: event for event in events}.values())  # Repeats within the batch.
+        if unique:
+            db = provide_database_interface()
+            ids = [event.id for event in unique]
+            stored = set((await session.scalars(sa.select(db.Event.id).where(db.Event.id.in_(ids)))).all())
+            unique = [event for event in unique if event.id not in stored]  # Redelivered ones.
+        if unique:
+            await prefect_write_events(session, unique)
+
+    event_storage.write_events = write_events
+    event_persister.write_events = write_events
+else:
+    print(f"prefect_server.sh: the event writer patch targets Prefect 3.8.8, not {prefect.__version__}; "
+          "starting unpatched", file=sys.stderr)
+
+from prefect.cli import app
+
+sys.argv = ["prefect", "server", "start", *sys.argv[1:]]
+app()
+PY

@@ -1,0 +1,137 @@
+"""What a pipeline run shows in Prefect: progress bars while stages run, a report and summary.json at the end."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+
+from cifar.io import atomic_write_json, read_json
+from cifar.workdir import summary_path
+
+logger = logging.getLogger("tasks.artifacts")
+
+MIN_UPDATE_SECONDS = 2.0  # Between progress updates, so a fast loop does not flood the API...
+MIN_UPDATE_PERCENT = 1.0  # ...unless the bar moved at least this much.
+
+
+class ProgressReporter:
+    """A Prefect progress artifact (0-100 %) for one stage; failures to report never fail the stage."""
+
+    def __init__(self, key: str, description: str) -> None:
+        self.key = key
+        self.description = description
+        self.artifact_id = None
+        self.last_percent = -100.0
+        self.last_time = 0.0
+
+    def update(self, percent: float, description: str | None = None, *, force: bool = False) -> None:
+        """Moves the bar to `percent` (throttled unless forced)."""
+        percent = min(max(percent, 0.0), 100.0)
+        now = time.monotonic()
+        due = percent - self.last_percent >= MIN_UPDATE_PERCENT or now - self.last_time >= MIN_UPDATE_SECONDS
+        if not (force or due):
+            return
+        self.last_percent, self.last_time = percent, now
+        try:
+            if self.artifact_id is None:
+                self.artifact_id = create_progress_artifact(percent, key=self.key, description=description or self.description)
+            else:
+                update_progress_artifact(self.artifact_id, percent, description=description)
+        except Exception as error:  # No API (a bare `.fn()` call in a test), or a transient API error.
+            logger.debug("Progress artifact %s not updated: %s", self.key, error)
+
+    def bytes(self, done: int, total: int | None) -> None:
+        """Download callback: bytes received of the total."""
+        if total:
+            self.update(100.0 * done / total, f"{self.description}: {done / 1e6:.1f} of {total / 1e6:.1f} MB")
+
+    def step(self, step: str, fraction: float) -> None:
+        """Data-stage callback: the current step and the fraction of the stage done."""
+        self.update(100.0 * fraction, f"{self.description}: {step}")
+
+    def epoch(self, report: dict[str, Any]) -> None:
+        """Training callback: `{"epoch", "epochs", **metrics}` after each epoch."""
+        epoch, epochs = int(report["epoch"]), int(report["epochs"])
+        shown = ", ".join(f"{name} {value:.4f}" for name, value in sorted(report.items())
+                          if name not in {"epoch", "epochs"} and isinstance(value, float))
+        self.update(100.0 * epoch / max(epochs, 1), f"{self.description}: epoch {epoch}/{epochs} ({shown})", force=True)
+
+    def finish(self) -> None:
+        self.update(100.0, force=True)
+
+
+def mlflow_run_url(tracking_uri: str | None, run_id: str | None) -> str | None:
+    """A link to the run in the MLflow UI, or how to open it for a local SQLite store."""
+    if not tracking_uri or not run_id:
+        return None
+    try:
+        import mlflow
+
+        experiment_id = mlflow.MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
+    except Exception as error:
+        logger.warning("Could not look up MLflow run %s: %s", run_id, error)
+        experiment_id = None
+    fragment = f"#/experiments/{experiment_id}/runs/{run_id}" if experiment_id else f"#/runs/{run_id}"
+    if urlsplit(tracking_uri).scheme in {"http", "https"}:
+        return f"{tracking_uri.rstrip('/')}/{fragment}"
+    return f"`mlflow ui --backend-store-uri {tracking_uri}` then http://127.0.0.1:5000/{fragment}"
+
+
+def report_markdown(summary: dict[str, Any]) -> str:
+    """The end-of-run report: accuracy, per-class table, export path and the MLflow run."""
+    lines = [f"# CIFAR-10 pipeline: {summary.get('preset', '')} preset, until `{summary.get('until')}`", ""]
+    rows = [
+        ("Data", summary.get("data_dir")),
+        ("Examples (train/validation/test)", "/".join(str(summary.get("counts", {}).get(split, "-"))
+                                                      for split in ("train", "validation", "test"))),
+        ("Training run", summary.get("run_name")),
+        ("Epochs completed", summary.get("epochs_completed")),
+        ("Validation accuracy (best epoch)", _percent(summary.get("val_accuracy"))),
+        ("Test accuracy", _percent(summary.get("test_accuracy"))),
+        ("Test accuracy with flip TTA", _percent(summary.get("flip_tta_accuracy"))),
+        ("Export", summary.get("export_dir")),
+        ("Registered version", summary.get("registered_model_version")),
+        ("Champion", summary.get("champion")),
+        ("Promotion", summary.get("promotion_reason")),
+        ("MLflow run", summary.get("mlflow_run_url") or summary.get("mlflow_run_id")),
+    ]
+    lines += ["| | |", "|---|---|"]
+    lines += [f"| {name} | {value} |" for name, value in rows if value is not None]
+    per_class = _per_class(summary.get("metrics_path"))
+    if per_class:
+        lines += ["", "## Per class (test split)", "", "| class | accuracy | precision | support |",
+                  "|---|---|---|---|"]
+        for name, values in per_class.items():
+            lines.append(f"| {name} | {_percent(values.get('accuracy'))} | {_percent(values.get('precision'))} | "
+                         f"{values.get('support', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def _percent(value: Any) -> str | None:
+    return None if value is None else f"{100 * float(value):.2f} %"
+
+
+def _per_class(metrics_path: str | None) -> dict[str, dict[str, Any]]:
+    if not metrics_path or not Path(metrics_path).is_file():
+        return {}
+    return read_json(metrics_path).get("per_class", {})
+
+
+@task(name="report")
+def publish_report(summary: dict[str, Any]) -> str:
+    """Publishes the run's markdown report as a Prefect artifact."""
+    markdown = report_markdown(summary)
+    create_markdown_artifact(markdown, key="cifar-report", description="CIFAR-10 pipeline run")
+    return markdown
+
+
+@task(name="summary")
+def write_summary(summary: dict[str, Any], workdir: str) -> str:
+    """Writes WORKDIR/summary.json atomically and returns its path."""
+    return str(atomic_write_json(summary_path(Path(workdir)), summary))

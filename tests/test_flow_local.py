@@ -1,0 +1,96 @@
+"""`python flows/pipeline.py` with no server (Prefect's ephemeral mode): data stage, caching, bad checksums."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cifar.io import file_digest
+from servers import REPO_ROOT, prefect_env
+from tasks.caching import code_version
+
+DATA_ONLY = ["--until", "data", "--set", "data.expect_official_counts=false", "--set", "data.validation_size=100"]
+
+
+@pytest.fixture(scope="module")
+def prefect_home(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("prefect-home")
+
+
+def run_pipeline(prefect_home: Path, *argv: str) -> subprocess.CompletedProcess:
+    """Runs the pipeline script as a user would, with an isolated PREFECT_HOME and no PREFECT_API_URL."""
+    return subprocess.run([sys.executable, "flows/pipeline.py", *argv], cwd=REPO_ROOT, env=prefect_env(prefect_home),
+                          capture_output=True, text=True, timeout=300)
+
+
+def code_versions() -> dict[str, str]:
+    return {"download": code_version("download"), "prepare": code_version("data")}
+
+
+def expected_cached(before: dict[str, str]) -> dict[str, str]:
+    """The tasks that must end Cached: all whose `cifar/` code was not edited since `before`.
+
+    (An edit gives that task a new key, so it rightly runs again; this only matters while the code
+    is being changed under a running test.)
+    """
+    return {name: "Cached" for name, version in code_versions().items() if version == before[name]}
+
+
+def task_states(workdir: Path, names) -> dict[str, str]:
+    states = json.loads((workdir / "summary.json").read_text())["task_states"]
+    return {name: states[name] for name in names}
+
+
+def test_data_stage_writes_the_summary_then_is_cached(prefect_home, python_archive, tmp_path):
+    workdir = tmp_path / "workdir"
+    versions = code_versions()
+    argv = ["--source", python_archive, "--sha256", file_digest(python_archive), "--workdir", str(workdir), *DATA_ONLY]
+
+    first = run_pipeline(prefect_home, *argv)
+    assert first.returncode == 0, first.stderr[-4000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert Path(summary["manifest"]) == Path(summary["data_dir"]) / "manifest.json"
+    assert Path(summary["manifest"]).is_file()
+    assert summary["counts"] == {"train": 400, "validation": 100, "test": 200}
+    assert summary["task_states"] == {"download": "Completed", "prepare": "Completed"}
+    assert "cifar pipeline done" in first.stdout and summary["data_dir"] in first.stdout
+
+    versions_before_second, second = code_versions(), run_pipeline(prefect_home, *argv)
+    assert second.returncode == 0, second.stderr[-4000:]
+    expected = expected_cached(versions)
+    assert task_states(workdir, expected) == expected
+
+    # A shard deleted behind the cache's back: the stale result is not returned, the data is rebuilt.
+    shard = next(Path(summary["data_dir"]).glob("train-*.tfrecord"))
+    shard.unlink()
+    third = run_pipeline(prefect_home, *argv)
+    assert third.returncode == 0, third.stderr[-4000:]
+    assert task_states(workdir, ["prepare"]) == {"prepare": "Completed"}
+    expected = {name: state for name, state in expected_cached(versions_before_second).items() if name == "download"}
+    assert task_states(workdir, expected) == expected
+    assert shard.is_file()
+
+    # --refresh recomputes even though everything is in place.
+    refreshed = run_pipeline(prefect_home, *argv, "--refresh")
+    assert refreshed.returncode == 0, refreshed.stderr[-4000:]
+    assert json.loads((workdir / "summary.json").read_text())["task_states"] == {"download": "Completed",
+                                                                                 "prepare": "Completed"}
+
+
+def test_wrong_checksum_fails_naming_both_digests_and_leaves_no_data(prefect_home, python_archive, tmp_path):
+    workdir = tmp_path / "workdir"
+    wrong, actual = "0" * 64, file_digest(python_archive)
+
+    result = run_pipeline(prefect_home, "--source", python_archive, "--sha256", wrong, "--workdir", str(workdir),
+                          *DATA_ONLY)
+
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: ChecksumMismatchError"), result.stderr[-4000:]
+    assert wrong in errors[0] and actual in errors[0]
+    assert not (workdir / "data").exists() or not any((workdir / "data").iterdir())
+    assert not (workdir / "summary.json").exists()
