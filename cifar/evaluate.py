@@ -1,0 +1,306 @@
+"""The evaluate stage: test-split metrics of the chosen checkpoint(s), written to files and MLflow.
+
+The checkpoint is chosen on validation accuracy (the index's `best_epoch`), never on test; with
+`evaluate.checkpoints == "all"` every kept checkpoint is scored as well, for the learning curve.
+Each checkpoint is scored with its evaluation (EMA) weights. Models trained on crops (the tutorial
+CNN, 24x24) see the centre crop of each 32x32 test image, as the exported model does in its graph.
+
+    runs/<run>/evaluation/
+      metrics.json           accuracy, loss, per-class precision/recall/accuracy, confusion matrix
+      predictions.parquet    one row per test image: index, label, predicted, prob_0..prob_9
+      confusion_matrix.png   counts, rows = true class
+      misclassified.png      the first misclassified test images with true / predicted class
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from pydantic import BaseModel
+
+from cifar import plots
+from cifar.checkpoints import CheckpointEntry, load_eval_model, load_index, select_for_evaluation
+from cifar.config import PipelineConfig
+from cifar.data.manifest import IMAGE_SHAPE, NUM_CLASSES, load_manifest
+from cifar.io import atomic_write_bytes, atomic_write_json
+from cifar.tracking import resolve_tracking_uri, use_run
+
+READ_BATCH = 1024  # Serialized examples parsed per step when reading a split.
+METRICS_NAME = "metrics.json"
+PREDICTIONS_NAME = "predictions.parquet"
+CONFUSION_MATRIX_NAME = "confusion_matrix.png"
+MISCLASSIFIED_NAME = "misclassified.png"
+
+
+class EvaluationResult(BaseModel):
+    """What the evaluate stage produced, for the next stages and the run summary."""
+
+    epoch: int
+    test_accuracy: float
+    test_loss: float
+    flip_tta_accuracy: float | None
+    num_examples: int
+    correct: int  # Correctly classified test images: the exact count behind test_accuracy.
+    metrics_path: str
+    predictions_path: str
+    confusion_matrix_plot: str
+    misclassified_plot: str
+    per_checkpoint: list[dict]  # epoch, accuracy, loss (and val_accuracy) for every evaluated checkpoint.
+
+
+def load_split(data_dir: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every example of a split, in shard order: images (N, 32, 32, 3) uint8 and labels (N,) int64."""
+    import tensorflow as tf
+
+    manifest = load_manifest(data_dir)
+    if split not in manifest.splits:
+        raise ValueError(f"unknown split {split!r}: expected one of {', '.join(manifest.splits)}")
+    features = {
+        "image": tf.io.FixedLenFeature([], tf.string),
+        "label": tf.io.FixedLenFeature([], tf.int64),
+    }
+    # One reader, no shuffling, no interleaving: every example exactly once, in the manifest's order.
+    dataset = tf.data.TFRecordDataset(manifest.shard_paths(data_dir, split)).batch(READ_BATCH)
+    images, labels = [], []
+    for serialized in dataset:
+        parsed = tf.io.parse_example(serialized, features)
+        pixels = tf.io.decode_raw(parsed["image"], tf.uint8)  # (B, 3072)
+        images.append(tf.reshape(pixels, (-1, *IMAGE_SHAPE)).numpy())  # (B, 32, 32, 3)
+        labels.append(parsed["label"].numpy())
+    if not images:
+        return np.zeros((0, *IMAGE_SHAPE), np.uint8), np.zeros((0,), np.int64)
+    images_array, labels_array = np.concatenate(images), np.concatenate(labels)
+    expected = manifest.splits[split].num_examples
+    if len(labels_array) != expected:
+        raise ValueError(f"{split} split has {len(labels_array)} examples, the manifest says {expected}")
+    return images_array, labels_array
+
+
+def center_crop(images: Any, size: int) -> Any:
+    """The centre `size` x `size` window of (N, H, W, C) images (numpy or tensors), as TF's crop computes it."""
+    height, width = int(images.shape[1]), int(images.shape[2])
+    if size > height or size > width:
+        raise ValueError(f"crop size {size} exceeds the image size {height}x{width}")
+    top, left = (height - size) // 2, (width - size) // 2
+    return images[:, top : top + size, left : left + size, :]
+
+
+def model_input_size(model) -> int:
+    """The side length of the images a Keras model takes (24 for the tutorial CNN, else 32)."""
+    return int(model.input_shape[1])
+
+
+def predict_logits(model, images: np.ndarray, batch_size: int, *, flip: bool = False) -> np.ndarray:
+    """Float32 logits (N, 10) of uint8 images (already cropped to the model's size), in batches."""
+    import tensorflow as tf
+
+    @tf.function(reduce_retracing=True)
+    def forward(batch: tf.Tensor) -> tf.Tensor:
+        batch = tf.cast(batch, tf.float32)
+        if flip:
+            batch = tf.reverse(batch, axis=[2])  # Horizontal flip: reverse the width axis.
+        return tf.cast(model(batch, training=False), tf.float32)
+
+    outputs = [forward(tf.constant(images[start : start + batch_size])).numpy()
+               for start in range(0, len(images), batch_size)]
+    return np.concatenate(outputs) if outputs else np.zeros((0, NUM_CLASSES), np.float32)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax, computed in float64 for stability."""
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    exponentials = np.exp(shifted)
+    return exponentials / exponentials.sum(axis=1, keepdims=True)
+
+
+def cross_entropy(probabilities: np.ndarray, labels: np.ndarray) -> float:
+    """Mean negative log-likelihood of the true labels."""
+    if len(labels) == 0:
+        return float("nan")
+    picked = probabilities[np.arange(len(labels)), labels]
+    return float(-np.mean(np.log(np.maximum(picked, np.finfo(np.float64).tiny))))
+
+
+def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int = NUM_CLASSES) -> np.ndarray:
+    """Counts (num_classes, num_classes): rows are true classes, columns predicted classes."""
+    matrix = np.zeros((num_classes, num_classes), dtype=np.int64)
+    np.add.at(matrix, (labels.astype(np.int64), predictions.astype(np.int64)), 1)
+    return matrix
+
+
+def per_class_metrics(matrix: np.ndarray, class_names: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Precision, recall and accuracy per class from a confusion matrix.
+
+    A class's accuracy is the share of its test images classified correctly (equal to its recall),
+    the usual CIFAR-10 "accuracy of class X". Undefined ratios (no support) are reported as 0.
+    """
+    true_positives = np.diag(matrix).astype(np.float64)
+    predicted_counts = matrix.sum(axis=0).astype(np.float64)
+    support = matrix.sum(axis=1).astype(np.float64)
+    precision = np.divide(true_positives, predicted_counts, out=np.zeros_like(true_positives), where=predicted_counts > 0)
+    recall = np.divide(true_positives, support, out=np.zeros_like(true_positives), where=support > 0)
+    return {
+        name: {"precision": float(precision[index]), "recall": float(recall[index]),
+               "accuracy": float(recall[index]), "support": int(support[index])}
+        for index, name in enumerate(class_names)
+    }
+
+
+def score(probabilities: np.ndarray, labels: np.ndarray) -> dict[str, float | int]:
+    """Accuracy (from the exact count of correct predictions) and cross-entropy of probabilities."""
+    predictions = probabilities.argmax(axis=1)
+    correct = int(np.sum(predictions == labels))
+    accuracy = correct / len(labels) if len(labels) else float("nan")
+    return {"accuracy": accuracy, "loss": cross_entropy(probabilities, labels), "correct": correct}
+
+
+def predictions_table_bytes(labels: np.ndarray, probabilities: np.ndarray, flip_probabilities: np.ndarray | None) -> bytes:
+    """Parquet bytes with one row per test image: index, label, predicted, correct, prob_0..prob_9."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    predictions = probabilities.argmax(axis=1)
+    columns: dict[str, Any] = {
+        "index": pa.array(np.arange(len(labels), dtype=np.int64)),
+        "label": pa.array(labels.astype(np.int64)),
+        "predicted": pa.array(predictions.astype(np.int64)),
+        "correct": pa.array(predictions == labels),
+    }
+    for class_index in range(probabilities.shape[1]):
+        columns[f"prob_{class_index}"] = pa.array(probabilities[:, class_index].astype(np.float32))
+    if flip_probabilities is not None:
+        columns["predicted_flip_tta"] = pa.array(flip_probabilities.argmax(axis=1).astype(np.int64))
+    buffer = io.BytesIO()
+    pq.write_table(pa.table(columns), buffer)
+    return buffer.getvalue()
+
+
+def evaluate_checkpoint(
+    checkpoint_dir: Path, entry: CheckpointEntry, images: np.ndarray, labels: np.ndarray, *,
+    batch_size: int, flip_tta: bool,
+) -> dict[str, Any]:
+    """Scores one checkpoint's evaluation weights: probabilities, accuracy, loss and (optionally) flip TTA."""
+    model = load_eval_model(checkpoint_dir, entry)
+    cropped = center_crop(images, model_input_size(model))
+    probabilities = softmax(predict_logits(model, cropped, batch_size))
+    outcome: dict[str, Any] = {"probabilities": probabilities, **score(probabilities, labels)}
+    outcome["flip_probabilities"] = None
+    if flip_tta:
+        # Test-time augmentation: average the softmax of each image and its mirror image.
+        flipped = softmax(predict_logits(model, cropped, batch_size, flip=True))
+        outcome["flip_probabilities"] = (probabilities + flipped) / 2
+        outcome["flip_tta_accuracy"] = score(outcome["flip_probabilities"], labels)["accuracy"]
+    return outcome
+
+
+def log_to_mlflow(
+    tracking_uri: str, run_id: str, epoch: int, metrics: dict[str, Any], per_checkpoint: list[dict], output_dir: Path,
+) -> None:
+    """Test metrics at step = the checkpoint's epoch, and the evaluation files under `evaluation/`."""
+    import mlflow
+
+    with use_run(tracking_uri, run_id):
+        for row in per_checkpoint:
+            if row["epoch"] != epoch:
+                mlflow.log_metrics({"test_accuracy": row["accuracy"], "test_loss": row["loss"]}, step=row["epoch"])
+        values = {"test_accuracy": metrics["test_accuracy"], "test_loss": metrics["test_loss"]}
+        if metrics["flip_tta_accuracy"] is not None:
+            values["test_accuracy_flip_tta"] = metrics["flip_tta_accuracy"]
+        for name, class_metrics in metrics["per_class"].items():
+            values[f"test_precision_{name}"] = class_metrics["precision"]
+            values[f"test_recall_{name}"] = class_metrics["recall"]
+        mlflow.log_metrics(values, step=epoch)
+        mlflow.set_tag("evaluation.epoch", str(epoch))
+        mlflow.log_artifacts(str(output_dir), artifact_path="evaluation")
+
+
+def evaluate(
+    config: PipelineConfig,
+    data_dir: str | Path,
+    checkpoint_dir: str | Path,
+    workdir: str | Path,
+    *,
+    mlflow_run_id: str | None = None,
+    tracking_uri: str | None = None,
+    output_dir: str | Path | None = None,
+) -> EvaluationResult:
+    """Evaluates the best (or every kept) checkpoint on the test split; writes files, logs to MLflow."""
+    checkpoint_dir = Path(checkpoint_dir)
+    output_dir = Path(output_dir) if output_dir is not None else checkpoint_dir.parent / "evaluation"
+    settings = config.evaluate
+    manifest = load_manifest(data_dir)
+    images, labels = load_split(data_dir, "test")
+    if len(labels) == 0:
+        raise ValueError(f"the test split in {data_dir} is empty: nothing to evaluate")
+
+    index = load_index(checkpoint_dir)
+    chosen = select_for_evaluation(index, "best")[0]  # By validation accuracy, never by test.
+    entries = select_for_evaluation(index, settings.checkpoints)
+    per_checkpoint: list[dict] = []
+    best_outcome: dict[str, Any] | None = None
+    for entry in entries:
+        is_chosen = entry.epoch == chosen.epoch
+        outcome = evaluate_checkpoint(checkpoint_dir, entry, images, labels, batch_size=settings.batch_size,
+                                      flip_tta=settings.flip_tta and is_chosen)
+        row = {"epoch": entry.epoch, "accuracy": outcome["accuracy"], "loss": outcome["loss"],
+               "correct": outcome["correct"]}
+        if "val_accuracy" in entry.metrics:
+            row["val_accuracy"] = entry.metrics["val_accuracy"]
+        per_checkpoint.append(row)
+        if is_chosen:
+            best_outcome = outcome
+    assert best_outcome is not None  # The best entry is always among the kept ones.
+
+    probabilities = best_outcome["probabilities"]
+    predictions = probabilities.argmax(axis=1)
+    matrix = confusion_matrix(labels, predictions, len(manifest.class_names))
+    metrics = {
+        "epoch": chosen.epoch,
+        "checkpoint": chosen.model_path,
+        "model": config.train.model,
+        "num_examples": int(len(labels)),
+        "correct": best_outcome["correct"],
+        "test_accuracy": best_outcome["accuracy"],
+        "test_loss": best_outcome["loss"],
+        "flip_tta_accuracy": best_outcome.get("flip_tta_accuracy"),
+        "class_names": list(manifest.class_names),
+        "per_class": per_class_metrics(matrix, manifest.class_names),
+        "confusion_matrix": matrix.tolist(),
+        "per_checkpoint": per_checkpoint,
+    }
+
+    metrics_path = atomic_write_json(output_dir / METRICS_NAME, metrics)
+    predictions_path = atomic_write_bytes(
+        output_dir / PREDICTIONS_NAME,
+        predictions_table_bytes(labels, probabilities, best_outcome["flip_probabilities"]),
+    )
+    confusion_path = atomic_write_bytes(
+        output_dir / CONFUSION_MATRIX_NAME,
+        plots.confusion_matrix_png(matrix, manifest.class_names, title=f"Test confusion matrix (epoch {chosen.epoch})"),
+    )
+    wrong = np.flatnonzero(predictions != labels)[: settings.misclassified_examples]
+    misclassified_path = atomic_write_bytes(
+        output_dir / MISCLASSIFIED_NAME,
+        plots.misclassified_grid_png(images[wrong], labels[wrong], predictions[wrong], manifest.class_names),
+    )
+
+    if mlflow_run_id:
+        tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
+        log_to_mlflow(tracking_uri, mlflow_run_id, chosen.epoch, metrics, per_checkpoint, output_dir)
+
+    return EvaluationResult(
+        epoch=chosen.epoch,
+        test_accuracy=metrics["test_accuracy"],
+        test_loss=metrics["test_loss"],
+        flip_tta_accuracy=metrics["flip_tta_accuracy"],
+        num_examples=metrics["num_examples"],
+        correct=metrics["correct"],
+        metrics_path=str(metrics_path),
+        predictions_path=str(predictions_path),
+        confusion_matrix_plot=str(confusion_path),
+        misclassified_plot=str(misclassified_path),
+        per_checkpoint=per_checkpoint,
+    )

@@ -1,0 +1,244 @@
+"""The export stage: a verified TensorFlow SavedModel in the TF-Serving layout.
+
+    WORKDIR/export/<model_name>/<version>/   saved_model.pb, variables/, assets.extra/export.json
+
+Versions are consecutive integers and an existing version is never overwritten. The SavedModel is
+written into a hidden temp directory in the same parent (`.export-*.partial`, which TF Serving and
+the version numbering both ignore), reloaded and checked there, and only then renamed to its
+version number, so an interrupted or failed export never leaves a half version behind.
+
+Signatures (normalization and, for the tutorial CNN, the centre crop are inside the graph):
+  serving_default  images: uint8 [batch, 32, 32, 3]  -> class_ids int64 [batch],
+                                                        class_names string [batch],
+                                                        probabilities float32 [batch, 10]
+  serving_bytes    image_bytes: string [batch] of encoded 32x32 PNG/JPEG images -> the same outputs
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+from pydantic import BaseModel
+
+from cifar.checkpoints import load_eval_model, load_index
+from cifar.config import PipelineConfig
+from cifar.data.manifest import IMAGE_SHAPE, load_manifest
+from cifar.evaluate import center_crop, load_split, model_input_size
+from cifar.tracking import resolve_tracking_uri, use_run
+from cifar.workdir import export_root
+
+SERVING_SIGNATURE = "serving_default"
+BYTES_SIGNATURE = "serving_bytes"
+INPUT_NAME = "images"
+BYTES_INPUT_NAME = "image_bytes"
+OUTPUT_NAMES = ("class_ids", "class_names", "probabilities")
+PARTIAL_PREFIX = ".export-"
+PARTIAL_SUFFIX = ".partial"
+STALE_PARTIAL_SECONDS = 3600  # Temp dirs older than this belong to an export that died; younger may be running.
+METADATA_PATH = Path("assets.extra") / "export.json"
+PUBLISH_ATTEMPTS = 100  # Version numbers tried when concurrent exports race for the next one.
+
+
+class ExportVerificationError(RuntimeError):
+    """The reloaded SavedModel does not reproduce the evaluated accuracy, or the CLI cannot describe it."""
+
+
+class ExportResult(BaseModel):
+    """Where the verified SavedModel version lives and what it scored."""
+
+    export_dir: str
+    version: int
+    verified_accuracy: float
+    epoch: int
+    signatures: list[str]
+    num_examples: int
+    correct: int
+
+
+class ServingModule(tf.Module):
+    """Wraps a Keras classifier with serving signatures that take raw uint8 images or encoded bytes."""
+
+    def __init__(self, model, class_names: Sequence[str]):
+        super().__init__(name="cifar_serving")
+        self.model = model
+        self.input_size = model_input_size(model)
+        self.class_names = tf.constant(list(class_names), dtype=tf.string)
+
+    def classify(self, images: tf.Tensor) -> dict[str, tf.Tensor]:
+        """Class ids, names and probabilities of uint8 images (B, 32, 32, 3)."""
+        pixels = center_crop(tf.cast(images, tf.float32), self.input_size)  # (B, S, S, 3)
+        logits = tf.cast(self.model(pixels, training=False), tf.float32)  # (B, 10)
+        # The class is the argmax of the logits, exactly as evaluation decides it.
+        class_ids = tf.argmax(logits, axis=1, output_type=tf.int64)
+        return {
+            "class_ids": class_ids,
+            "class_names": tf.gather(self.class_names, class_ids),
+            "probabilities": tf.nn.softmax(logits, axis=1),
+        }
+
+    @tf.function(input_signature=[tf.TensorSpec([None, *IMAGE_SHAPE], tf.uint8, name=INPUT_NAME)])
+    def serve(self, images: tf.Tensor) -> dict[str, tf.Tensor]:
+        return self.classify(images)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name=BYTES_INPUT_NAME)])
+    def serve_bytes(self, image_bytes: tf.Tensor) -> dict[str, tf.Tensor]:
+        def decode(encoded: tf.Tensor) -> tf.Tensor:
+            image = tf.io.decode_image(encoded, channels=3, dtype=tf.uint8, expand_animations=False)
+            return tf.ensure_shape(image, IMAGE_SHAPE)
+
+        images = tf.map_fn(decode, image_bytes, fn_output_signature=tf.TensorSpec(IMAGE_SHAPE, tf.uint8))
+        return self.classify(images)
+
+
+def existing_versions(root: Path) -> list[int]:
+    """The published version numbers under an export root, ascending (temp dirs are not versions)."""
+    if not root.is_dir():
+        return []
+    return sorted(int(path.name) for path in root.iterdir() if path.is_dir() and path.name.isdigit())
+
+
+def remove_stale_partials(root: Path, max_age_seconds: float = STALE_PARTIAL_SECONDS) -> list[Path]:
+    """Deletes temp dirs that interrupted exports left behind; returns what was removed."""
+    removed = []
+    now = time.time()
+    for path in root.glob(f"{PARTIAL_PREFIX}*{PARTIAL_SUFFIX}"):
+        with contextlib.suppress(FileNotFoundError):
+            if now - path.stat().st_mtime >= max_age_seconds:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def serving_outputs(export_dir: str | Path, images: np.ndarray, batch_size: int) -> dict[str, np.ndarray]:
+    """Runs the reloaded SavedModel's serving_default over uint8 images (N, 32, 32, 3) in batches."""
+    serve = tf.saved_model.load(str(export_dir)).signatures[SERVING_SIGNATURE]
+    batches: dict[str, list[np.ndarray]] = {name: [] for name in OUTPUT_NAMES}
+    for start in range(0, len(images), batch_size):
+        outputs = serve(**{INPUT_NAME: tf.constant(images[start : start + batch_size], dtype=tf.uint8)})
+        for name in OUTPUT_NAMES:
+            batches[name].append(outputs[name].numpy())
+    return {name: np.concatenate(values) for name, values in batches.items() if values}
+
+
+def saved_model_cli_show(export_dir: str | Path) -> str:
+    """The output of `saved_model_cli show --dir DIR --all` (the CLI from this environment)."""
+    executable = Path(sys.executable).parent / "saved_model_cli"
+    command = [str(executable)] if executable.exists() else [sys.executable, "-m", "tensorflow.python.tools.saved_model_cli"]
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+    result = subprocess.run([*command, "show", "--dir", str(export_dir), "--all"], capture_output=True, text=True,
+                            timeout=600, env=environment)
+    if result.returncode != 0:
+        raise ExportVerificationError(f"saved_model_cli failed with {result.returncode}: {result.stderr[-2000:]}")
+    return result.stdout
+
+
+def expected_correct_count(expected_accuracy: float, num_examples: int) -> int:
+    """The number of correct examples an accuracy on `num_examples` stands for; rejects impossible values."""
+    count = expected_accuracy * num_examples
+    if not 0 <= expected_accuracy <= 1 or abs(count - round(count)) > 1e-6 * max(1, num_examples):
+        raise ValueError(f"expected_accuracy {expected_accuracy!r} is not an accuracy over {num_examples} examples")
+    return round(count)
+
+
+def verify_export(export_dir: Path, images: np.ndarray, labels: np.ndarray, *, expected_accuracy: float,
+                  batch_size: int) -> tuple[int, str]:
+    """Checks the reloaded model reproduces the accuracy exactly and the CLI describes it; returns (correct, CLI text)."""
+    expected = expected_correct_count(expected_accuracy, len(labels))
+    outputs = serving_outputs(export_dir, images, batch_size)
+    correct = int(np.sum(outputs["class_ids"] == labels))
+    if correct != expected:
+        raise ExportVerificationError(
+            f"the reloaded SavedModel classifies {correct}/{len(labels)} test images correctly, "
+            f"the evaluated checkpoint {expected}/{len(labels)}"
+        )
+    description = saved_model_cli_show(export_dir)
+    for needed in (f"signature_def['{SERVING_SIGNATURE}']", f"inputs['{INPUT_NAME}']"):
+        if needed not in description:
+            raise ExportVerificationError(f"saved_model_cli does not describe {needed}:\n{description[-2000:]}")
+    return correct, description
+
+
+def publish(temp_dir: Path, root: Path) -> tuple[int, Path]:
+    """Renames a finished temp dir to the next free version number; never replaces an existing version."""
+    for _ in range(PUBLISH_ATTEMPTS):
+        version = max(existing_versions(root), default=0) + 1
+        final = root / str(version)
+        try:
+            # rename(2) refuses a non-empty target, so a version another export just published survives.
+            os.rename(temp_dir, final)
+            return version, final
+        except OSError as error:
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+    raise RuntimeError(f"could not claim a version number under {root}")
+
+
+def export_model(
+    config: PipelineConfig,
+    data_dir: str | Path,
+    checkpoint_dir: str | Path,
+    workdir: str | Path,
+    *,
+    epoch: int,
+    expected_accuracy: float,
+    mlflow_run_id: str | None = None,
+    tracking_uri: str | None = None,
+) -> ExportResult:
+    """Exports the checkpoint of `epoch` (evaluation weights) as the next verified SavedModel version."""
+    checkpoint_dir = Path(checkpoint_dir)
+    try:
+        entry = load_index(checkpoint_dir).entry(epoch)
+    except KeyError as error:
+        raise ValueError(f"no checkpoint of epoch {epoch} in {checkpoint_dir}") from error
+    manifest = load_manifest(data_dir)
+    images, labels = load_split(data_dir, "test")
+    module = ServingModule(load_eval_model(checkpoint_dir, entry), manifest.class_names)
+    signatures = {SERVING_SIGNATURE: module.serve, BYTES_SIGNATURE: module.serve_bytes}
+
+    root = export_root(Path(workdir), config.export.model_name)
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_partials(root)
+    temp_dir = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, suffix=PARTIAL_SUFFIX, dir=root))
+    try:
+        tf.saved_model.save(module, str(temp_dir), signatures=signatures)
+        correct, description = verify_export(temp_dir, images, labels, expected_accuracy=expected_accuracy,
+                                             batch_size=config.evaluate.batch_size)
+        metadata = {"epoch": epoch, "checkpoint": entry.model_path, "model": config.train.model,
+                    "class_names": manifest.class_names, "test_correct": correct, "test_examples": len(labels),
+                    "signatures": sorted(signatures)}
+        (temp_dir / METADATA_PATH).parent.mkdir(parents=True, exist_ok=True)
+        (temp_dir / METADATA_PATH).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+        version, final = publish(temp_dir, root)
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+
+    result = ExportResult(export_dir=str(final), version=version, verified_accuracy=correct / len(labels),
+                          epoch=epoch, signatures=sorted(signatures), num_examples=len(labels), correct=correct)
+    if mlflow_run_id:
+        log_to_mlflow(tracking_uri or resolve_tracking_uri(config.tracking, workdir), mlflow_run_id, result, description)
+    return result
+
+
+def log_to_mlflow(tracking_uri: str, run_id: str, result: ExportResult, description: str) -> None:
+    """The version, its directory and its verified accuracy, plus the CLI's description of the signatures."""
+    import mlflow
+
+    with use_run(tracking_uri, run_id):
+        # Tags, not params: a re-export in the same run publishes a new version and must be able to say so.
+        mlflow.set_tags({"export.version": str(result.version), "export.dir": result.export_dir,
+                         "export.epoch": str(result.epoch)})
+        mlflow.log_metric("export_verified_accuracy", result.verified_accuracy, step=result.epoch)
+        mlflow.log_text(description, f"export/{result.version}/saved_model_cli.txt")

@@ -1,0 +1,227 @@
+"""The register stage: log the exported SavedModel to MLflow, register it, and gate the `champion` alias.
+
+The logged model is an MLflow pyfunc that wraps the verified SavedModel directory as an artifact and
+calls its `serving_default` signature, so `mlflow models serve -m models:/cifar10@champion` answers
+with exactly what TF Serving would: class ids, class names and probabilities.
+
+Promotion gate (the TFX "blessing"): a new version takes the `champion` alias only if its test
+accuracy is at least `export.min_accuracy` and at least the current champion's accuracy minus
+`export.tolerance`. Each version carries its accuracy as the tag `test_accuracy` for later gates.
+The registry needs a database-backed store (SQLite or a server), not a plain `file:` store.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mlflow.pyfunc import PythonModel
+from pydantic import BaseModel
+
+from cifar.config import PipelineConfig
+from cifar.data.manifest import IMAGE_SHAPE
+from cifar.export import INPUT_NAME, SERVING_SIGNATURE, ExportResult
+from cifar.tracking import ensure_experiment, resolve_tracking_uri, use_run
+
+CHAMPION_ALIAS = "champion"
+ACCURACY_TAG = "test_accuracy"
+MODEL_ARTIFACT_NAME = "model"  # The logged model's name within the run.
+SAVED_MODEL_ARTIFACT = "saved_model"  # The key of the SavedModel directory among the pyfunc's artifacts.
+
+
+class PromotionResult(BaseModel):
+    """The registered version and whether it became the champion, with the numbers behind the decision."""
+
+    registered_model_version: int | None
+    champion: bool
+    test_accuracy: float
+    champion_accuracy_before: float | None
+    champion_version_before: int | None = None
+    model_uri: str | None = None  # The logged model (models:/<model id>).
+    reason: str
+
+
+class SavedModelClassifier(PythonModel):
+    """An MLflow pyfunc calling a SavedModel's serving_default on uint8 images (N, 32, 32, 3)."""
+
+    def load_context(self, context) -> None:
+        import tensorflow as tf
+
+        self._serve = tf.saved_model.load(context.artifacts[SAVED_MODEL_ARTIFACT]).signatures[SERVING_SIGNATURE]
+
+    def predict(self, context, model_input, params=None) -> dict[str, np.ndarray]:
+        import tensorflow as tf
+
+        if isinstance(model_input, dict):
+            model_input = model_input[INPUT_NAME]
+        images = np.asarray(model_input)
+        if images.ndim != 4 or tuple(images.shape[1:]) != IMAGE_SHAPE:
+            raise ValueError(f"expected images of shape (N, 32, 32, 3), got {images.shape}")
+        if images.dtype != np.uint8:
+            if np.any(images < 0) or np.any(images > 255) or np.any(images != np.round(images)):
+                raise ValueError("pixel values must be integers in 0..255")
+            images = images.astype(np.uint8)
+        outputs = self._serve(**{INPUT_NAME: tf.constant(images)})
+        return {
+            "class_ids": outputs["class_ids"].numpy().astype(np.int64),
+            "class_names": np.array([name.decode("utf-8") for name in outputs["class_names"].numpy()]),
+            "probabilities": outputs["probabilities"].numpy().astype(np.float32),
+        }
+
+
+def promotion_decision(
+    test_accuracy: float, champion_accuracy: float | None, *, min_accuracy: float, tolerance: float,
+    champion_version: int | None = None,
+) -> tuple[bool, str]:
+    """Whether a model with `test_accuracy` should become champion, and why (or why not)."""
+    if test_accuracy < min_accuracy:
+        return False, f"test accuracy {test_accuracy:.4f} is below export.min_accuracy {min_accuracy:.4f}"
+    if champion_version is not None and champion_accuracy is None:
+        return False, f"the current champion v{champion_version} has no {ACCURACY_TAG} tag to compare with; keeping it"
+    if champion_accuracy is None:
+        return True, f"first champion: test accuracy {test_accuracy:.4f} >= export.min_accuracy {min_accuracy:.4f}"
+    floor = champion_accuracy - tolerance
+    if test_accuracy < floor:
+        return False, (f"test accuracy {test_accuracy:.4f} is below the champion's {champion_accuracy:.4f} "
+                       f"minus tolerance {tolerance:.4f}; keeping the champion v{champion_version}")
+    return True, (f"test accuracy {test_accuracy:.4f} >= the champion's {champion_accuracy:.4f} "
+                  f"minus tolerance {tolerance:.4f} (was v{champion_version})")
+
+
+def current_champion(client, model_name: str) -> tuple[int | None, float | None]:
+    """The version holding the champion alias and its stored test accuracy (None, None when there is none)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        version = client.get_model_version_by_alias(model_name, CHAMPION_ALIAS)
+    except MlflowException:  # No such registered model, or no champion yet.
+        return None, None
+    value = version.tags.get(ACCURACY_TAG)
+    return int(version.version), (float(value) if value is not None else None)
+
+
+def pip_requirements() -> list[str]:
+    """Pinned requirements of the pyfunc, given explicitly so MLflow does not load the model to infer them."""
+    return [f"{name}=={metadata.version(name)}" for name in ("mlflow", "tensorflow", "numpy")]
+
+
+def log_pyfunc_model(export_result: ExportResult, input_example: np.ndarray):
+    """Logs the SavedModel as a pyfunc with signature and input example; returns MLflow's ModelInfo."""
+    import mlflow
+    from mlflow.models import infer_signature
+
+    classifier = SavedModelClassifier()
+    example_outputs = _example_outputs(export_result.export_dir, input_example)
+    signature = infer_signature(input_example, example_outputs)
+    return mlflow.pyfunc.log_model(
+        name=MODEL_ARTIFACT_NAME,
+        python_model=classifier,
+        artifacts={SAVED_MODEL_ARTIFACT: export_result.export_dir},
+        signature=signature,
+        input_example=input_example,
+        pip_requirements=pip_requirements(),
+        metadata={"export_version": export_result.version, "epoch": export_result.epoch},
+    )
+
+
+def register_version(client, model_name: str, model_info) -> int:
+    """Registers a logged model as a new version of `model_name` through `client` (its store, not the global one)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(model_name)
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+    version = client.create_model_version(model_name, source=model_info.model_uri, run_id=model_info.run_id,
+                                          model_id=model_info.model_id)
+    return int(version.version)
+
+
+def _example_outputs(export_dir: str, input_example: np.ndarray) -> dict[str, np.ndarray]:
+    """What the wrapped SavedModel answers for the input example (for the output schema)."""
+    classifier = SavedModelClassifier()
+    classifier.load_context(_Context({SAVED_MODEL_ARTIFACT: export_dir}))
+    return classifier.predict(None, input_example)
+
+
+class _Context:
+    """The part of MLflow's PythonModelContext that `load_context` reads."""
+
+    def __init__(self, artifacts: dict[str, str]):
+        self.artifacts = artifacts
+
+
+def register_and_promote(
+    config: PipelineConfig,
+    export_result: ExportResult,
+    test_accuracy: float,
+    *,
+    mlflow_run_id: str | None = None,
+    tracking_uri: str | None = None,
+    input_example: np.ndarray | None = None,
+) -> PromotionResult:
+    """Logs and registers the exported model, then moves `champion` to it only if it passes the gate."""
+    import mlflow
+
+    if not 0 <= test_accuracy <= 1:
+        raise ValueError(f"test_accuracy must be in 0..1, got {test_accuracy}")
+    workdir = Path(export_result.export_dir).resolve().parents[2]  # WORKDIR/export/<model>/<version>
+    tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
+    if input_example is None:
+        input_example = np.zeros((1, *IMAGE_SHAPE), dtype=np.uint8)
+    input_example = np.asarray(input_example, dtype=np.uint8)
+    model_name = config.export.model_name
+    # The registry lives in the tracking store; never in a registry some other code set globally.
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+    if mlflow_run_id is None:
+        experiment_id = ensure_experiment(tracking_uri, workdir, config.tracking.experiment)
+        mlflow_run_id = client.create_run(experiment_id, run_name=f"register-{model_name}").info.run_id
+
+    with use_run(tracking_uri, mlflow_run_id):
+        model_info = log_pyfunc_model(export_result, input_example)
+        if not config.export.register_model:
+            result = PromotionResult(registered_model_version=None, champion=False, test_accuracy=test_accuracy,
+                                     champion_accuracy_before=None, model_uri=model_info.model_uri,
+                                     reason="registration disabled (export.register_model is false)")
+        else:
+            result = _gate(client, config, model_info, export_result, test_accuracy)
+        _log_decision(result)
+    return result
+
+
+def _gate(client, config: PipelineConfig, model_info, export_result: ExportResult, test_accuracy: float) -> PromotionResult:
+    """Tags the new version with its accuracy and applies the promotion gate to the champion alias."""
+    model_name = config.export.model_name
+    version = register_version(client, model_name, model_info)
+    champion_version, champion_accuracy = current_champion(client, model_name)
+    tags = {ACCURACY_TAG: repr(float(test_accuracy)), "export_version": str(export_result.version),
+            "export_dir": export_result.export_dir, "epoch": str(export_result.epoch)}
+    for key, value in tags.items():
+        client.set_model_version_tag(model_name, str(version), key, value)
+    promote, reason = promotion_decision(test_accuracy, champion_accuracy, min_accuracy=config.export.min_accuracy,
+                                         tolerance=config.export.tolerance, champion_version=champion_version)
+    if promote:
+        client.set_registered_model_alias(model_name, CHAMPION_ALIAS, str(version))
+    return PromotionResult(registered_model_version=version, champion=promote, test_accuracy=test_accuracy,
+                           champion_accuracy_before=champion_accuracy, champion_version_before=champion_version,
+                           model_uri=model_info.model_uri, reason=reason)
+
+
+def _log_decision(result: PromotionResult) -> None:
+    """The decision and both accuracies on the active run (tags and metrics: a run may register twice)."""
+    import mlflow
+
+    tags: dict[str, Any] = {"promotion.champion": str(result.champion).lower(), "promotion.reason": result.reason}
+    if result.registered_model_version is not None:
+        tags["registry.model_version"] = str(result.registered_model_version)
+    if result.champion_version_before is not None:
+        tags["promotion.champion_version_before"] = str(result.champion_version_before)
+    mlflow.set_tags(tags)
+    metrics = {"promotion_test_accuracy": result.test_accuracy, "promotion_champion": float(result.champion)}
+    if result.champion_accuracy_before is not None:
+        metrics["promotion_champion_accuracy_before"] = result.champion_accuracy_before
+    mlflow.log_metrics(metrics)
