@@ -1,0 +1,309 @@
+"""Serving speed of the exported SavedModel: throughput at batch 256 and latency at batch 1.
+
+A ResNet-20 (default) is trained briefly through `cifar.train.train` on the real prepared data
+(`steps_per_epoch` small: the weights do not matter for speed), evaluated with `cifar.evaluate.evaluate`
+and exported with `cifar.export.export_model` (the verified TF-Serving layout). The bench then loads
+the SavedModel with `tf.saved_model.load` and times, side by side in interleaved rounds:
+
+- `serving_default` with raw uint8 images (N, 32, 32, 3): what TF Serving / the MLflow pyfunc run;
+- `serving_bytes` with PNG-encoded images (decode inside the graph);
+- the same Keras model called in-process (`model(x, training=False)` in a `tf.function`), the
+  reference for the signature's overhead;
+- with --http, `mlflow models serve` of the logged pyfunc (JSON over HTTP on 127.0.0.1).
+
+Throughput = images / median seconds per call at batch 256; latency = p50/p95 of single-image calls.
+The training run is reused when it already exists in the bench workdir; each run exports a new version.
+
+    .venv/bin/python bench/serving.py --write-docs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import common  # noqa: E402
+from cifar.config import make_config  # noqa: E402
+
+SECTION = "## Serving"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--archive", default=str(common.DEFAULT_ARCHIVE))
+    parser.add_argument("--workdir", default=str(common.DEFAULT_BENCH_WORKDIR), help="Bench workdir (reused).")
+    parser.add_argument("--model", default="resnet20")
+    parser.add_argument("--train-steps", type=int, default=20, help="steps_per_epoch of the 1-epoch training.")
+    parser.add_argument("--batch-size", type=int, default=256, help="Batch of the throughput measurement.")
+    parser.add_argument("--batch-calls", type=int, default=10, help="Timed batch calls per variant per round.")
+    parser.add_argument("--single-calls", type=int, default=60, help="Timed batch-1 calls per variant per round.")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--http", action="store_true", help="Also time `mlflow models serve` over HTTP.")
+    parser.add_argument("--http-calls", type=int, default=40, help="Timed batch-1 HTTP requests.")
+    parser.add_argument("--http-batch", type=int, default=32, help="Batch of the HTTP throughput requests.")
+    parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--note", default=common.SHARED_NOTE)
+    return parser.parse_args(argv)
+
+
+def export_once(args, data_dir: Path):
+    """Train (or reuse) -> evaluate -> export_model; returns (config, training, evaluation, export, seconds)."""
+    from cifar.evaluate import evaluate
+    from cifar.export import export_model
+    from cifar.train import train
+
+    archive = str(Path(args.archive).expanduser().resolve())
+    config = make_config("default", {
+        "data": {"source": archive, "sha256": common.default_sha256(Path(archive))},
+        "train": {"model": args.model, "epochs": 1, "steps_per_epoch": args.train_steps, "keep_checkpoints": 1},
+        "evaluate": {"flip_tta": False},
+        "tracking": {"system_metrics": False},
+    })
+    workdir = Path(args.workdir)
+    training = train(config, data_dir, workdir)
+    evaluation = evaluate(config, data_dir, training.checkpoint_dir, workdir, mlflow_run_id=training.mlflow_run_id,
+                          tracking_uri=training.tracking_uri)
+    start = time.perf_counter()
+    export = export_model(config, data_dir, training.checkpoint_dir, workdir, epoch=evaluation.epoch,
+                          expected_accuracy=evaluation.test_accuracy, mlflow_run_id=training.mlflow_run_id,
+                          tracking_uri=training.tracking_uri)
+    return config, training, evaluation, export, time.perf_counter() - start
+
+
+def make_variants(export_dir: str, checkpoint_dir: str, epoch: int):
+    """name -> (callable on a uint8 batch, callable on a PNG batch or None)."""
+    from cifar.checkpoints import load_eval_model, load_index
+    from cifar.export import BYTES_INPUT_NAME, BYTES_SIGNATURE, INPUT_NAME, SERVING_SIGNATURE
+
+    loaded = tf.saved_model.load(export_dir)
+    serve = loaded.signatures[SERVING_SIGNATURE]
+    serve_bytes = loaded.signatures[BYTES_SIGNATURE]
+    model = load_eval_model(checkpoint_dir, load_index(Path(checkpoint_dir)).entry(epoch))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 32, 32, 3], tf.uint8)])
+    def keras_call(images):
+        return tf.cast(model(tf.cast(images, tf.float32), training=False), tf.float32)
+
+    def numpy_out(outputs):
+        return {key: value.numpy() for key, value in outputs.items()} if isinstance(outputs, dict) else outputs.numpy()
+
+    return {
+        "serving_default": lambda images, _png: numpy_out(serve(**{INPUT_NAME: tf.constant(images)})),
+        "serving_bytes": lambda _images, png: numpy_out(serve_bytes(**{BYTES_INPUT_NAME: tf.constant(png)})),
+        "keras": lambda images, _png: numpy_out(keras_call(tf.constant(images))),
+    }
+
+
+def timed(call, images, png) -> float:
+    start = time.perf_counter()
+    call(images, png)
+    return time.perf_counter() - start
+
+
+def measure_in_process(variants, images: np.ndarray, png: np.ndarray, args):
+    """Per-call seconds; every timed call of one variant is followed by one of each other variant, in an
+    order rotated call by call, so a change in machine load hits every variant alike."""
+    batch = (images[: args.batch_size], png[: args.batch_size])
+    names = list(variants)
+    batch_seconds = {name: [] for name in variants}
+    single_seconds = {name: [] for name in variants}
+    for name, call in variants.items():  # Warm-up: tracing, oneDNN primitives for both shapes.
+        for _ in range(3):
+            call(*batch)
+        for index in range(10):
+            call(images[index : index + 1], png[index : index + 1])
+    single_index = 0
+    for round_index in range(args.rounds):
+        for call_index in range(args.batch_calls):
+            shift = call_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                batch_seconds[name].append(timed(variants[name], *batch))
+        for call_index in range(args.single_calls):
+            position = single_index % len(images)
+            single_index += 1
+            shift = call_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                single_seconds[name].append(
+                    timed(variants[name], images[position : position + 1], png[position : position + 1]))
+        for name in names:
+            print(f"round {round_index + 1}/{args.rounds} {name}: "
+                  f"{args.batch_size / common.median(batch_seconds[name][-args.batch_calls:]):,.0f} images/s, "
+                  f"p50 {1000 * common.median(single_seconds[name][-args.single_calls:]):.2f} ms", flush=True)
+    return batch_seconds, single_seconds
+
+
+# Optional: mlflow models serve over HTTP.
+
+
+def free_port() -> int:
+    with socket.socket() as handle:
+        handle.bind(("127.0.0.1", 0))
+        return handle.getsockname()[1]
+
+
+def post(url: str, payload: bytes) -> float:
+    request = urllib.request.Request(url, data=payload, headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=120) as response:
+        response.read()
+    return time.perf_counter() - start
+
+
+def measure_http(config, export, training, images: np.ndarray, args) -> dict:
+    """Registers the export (pyfunc), serves it with `mlflow models serve`, times JSON requests."""
+    from cifar.registry import register_and_promote
+
+    promotion = register_and_promote(config, export, 0.0 if export.verified_accuracy is None else export.verified_accuracy,
+                                     mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri,
+                                     input_example=images[:1])
+    port = free_port()
+    mlflow_cli = Path(sys.executable).parent / "mlflow"
+    # The scoring server is started as `uvicorn ...` from PATH: put this environment's bin first.
+    env = {**os.environ, "MLFLOW_TRACKING_URI": training.tracking_uri, "TF_CPP_MIN_LOG_LEVEL": "2",
+           "PATH": f"{mlflow_cli.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    log_path = Path(args.workdir) / "mlflow-serve.log"
+    start = time.perf_counter()
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen([str(mlflow_cli), "models", "serve", "-m", promotion.model_uri, "--env-manager",
+                                   "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                                  stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"mlflow models serve exited with {server.returncode}; see {log_path}")
+            try:
+                with urllib.request.urlopen(f"{url}/ping", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.perf_counter() - start > 180:
+                raise RuntimeError(f"mlflow models serve did not answer /ping within 180 s; see {log_path}")
+            time.sleep(0.5)
+        startup = time.perf_counter() - start
+
+        def payload(batch: np.ndarray) -> bytes:
+            return json.dumps({"inputs": batch.tolist()}).encode()
+
+        single = [payload(images[index : index + 1]) for index in range(args.http_calls)]
+        batch = payload(images[: args.http_batch])
+        for body in single[:5]:
+            post(f"{url}/invocations", body)
+        post(f"{url}/invocations", batch)
+        single_seconds = [post(f"{url}/invocations", body) for body in single]
+        batch_seconds = [post(f"{url}/invocations", batch) for _ in range(5)]
+        return {"startup": startup, "single": single_seconds, "batch": batch_seconds,
+                "payload_kb": len(batch) / 1024, "model_uri": promotion.model_uri}
+    finally:
+        stop_server(server)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's own process group (its uvicorn child included), SIGKILL if it lingers."""
+    if server.poll() is not None:
+        return
+    try:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=20)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, 9)
+        server.wait(timeout=10)
+
+
+def markdown_table(batch_seconds, single_seconds, batch_size: int) -> str:
+    labels = {
+        "serving_default": "SavedModel `serving_default`, raw uint8 (what TF Serving / the pyfunc run)",
+        "serving_bytes": "SavedModel `serving_bytes`, PNG-encoded images",
+        "keras": "Keras model in-process (`tf.function`), reference",
+    }
+    reference = batch_seconds["serving_default"]
+    lines = [f"| variant | images/s at batch {batch_size} (median) | throughput vs serving_default (paired) | "
+             "batch-1 p50 ms | batch-1 p95 ms |", "|---|---:|---:|---:|---:|"]
+    for name in ("serving_default", "serving_bytes", "keras"):
+        rate = batch_size / common.median(batch_seconds[name])
+        # Median of per-call ratios against the serving_default call of the same rotation.
+        paired = common.median([base / value for base, value in zip(reference, batch_seconds[name])])
+        lines.append(f"| {labels[name]} | {rate:,.0f} | {paired:.2f}x | "
+                     f"{1000 * common.median(single_seconds[name]):.2f} | "
+                     f"{1000 * common.percentile(single_seconds[name], 0.95):.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    load_at_start = common.load_average()
+    data_dir = common.prepare_bench_data(args.archive, args.workdir)
+    config, training, evaluation, export, export_seconds = export_once(args, data_dir)
+    print(f"exported {export.export_dir} (test accuracy {evaluation.test_accuracy:.4f}) in {export_seconds:.1f} s")
+
+    from cifar.evaluate import load_split
+
+    images, _labels = load_split(data_dir, "test")
+    images = images[:1024]
+    png = np.array([tf.io.encode_png(image).numpy() for image in images], dtype=object)
+    variants = make_variants(export.export_dir, training.checkpoint_dir, evaluation.epoch)
+    batch_seconds, single_seconds = measure_in_process(variants, images, png, args)
+    table = markdown_table(batch_seconds, single_seconds, args.batch_size)
+    print(table)
+
+    http_text = ""
+    if args.http:
+        http = measure_http(config, export, training, images, args)
+        http_rate = args.http_batch / common.median(http["batch"])
+        in_process_rate = args.batch_size / common.median(batch_seconds["serving_default"])
+        http_text = (
+            "\n\n**Over HTTP** (`mlflow models serve -m <logged pyfunc> --env-manager local --workers 1`, JSON "
+            "`{\"inputs\": [...]}` to `/invocations` on 127.0.0.1, one request at a time, after 5 warm-up "
+            f"requests): start-up until `/ping` answers {http['startup']:.1f} s; batch 1: p50 "
+            f"{1000 * common.median(http['single']):.1f} ms, p95 {1000 * common.percentile(http['single'], 0.95):.1f} ms "
+            f"over {len(http['single'])} requests; batch {args.http_batch} ({http['payload_kb']:,.0f} KiB of JSON): "
+            f"{http_rate:,.0f} images/s (median of 5), "
+            f"{http_rate / in_process_rate:.2f}x of in-process serving_default at batch {args.batch_size}. At "
+            f"{in_process_rate:,.0f} images/s the model itself needs about "
+            f"{1000 * args.http_batch / in_process_rate:.0f} ms of each {1000 * common.median(http['batch']):.0f} ms "
+            "batch request; the rest is the HTTP + JSON + MLflow input-conversion path. The HTTP endpoint suits "
+            "single-image requests; bulk scoring should call the SavedModel in-process (as above)."
+        )
+        print(http_text)
+
+    if args.write_docs:
+        body = (
+            f"The exported SavedModel (`cifar.export.export_model`, TF-Serving layout) of a {args.model} trained "
+            f"briefly through `cifar.train.train` (1 epoch x {args.train_steps} steps on the real data; the weights "
+            "do not matter for speed) with the default TrainConfig, so the checkpoint carries the "
+            "`configure_performance` policy of this CPU (mixed_bfloat16 where the CPU has bfloat16 math) and "
+            "the fused batch norm. Loaded with `tf.saved_model.load` in the bench process; inputs are real test "
+            f"images. Throughput: {args.batch_calls} calls of batch {args.batch_size} per variant per round, median "
+            f"call time over all {args.rounds} rounds; latency: {args.single_calls} single-image calls per variant per "
+            "round (p50/p95 over all rounds); after warm-up calls, the variants alternate call by call (order "
+            "rotated each call) so load changes hit them alike; the ratio column is the median of per-call ratios "
+            "against the serving_default call of the same rotation. Export itself "
+            f"(save, reload, verify on the 10,000 test images, `saved_model_cli show`) took {export_seconds:.1f} s.\n\n"
+            f"Command: `{common.command_line('serving.py', argv)}`\n\n"
+            f"Machine: {common.machine_description(load_at_start)}. Note: {args.note}.\n\n"
+            f"{table}{http_text}\n"
+        )
+        common.write_section(SECTION, body)
+        print(f"wrote {common.DOCS_PATH}")
+
+
+if __name__ == "__main__":
+    main()
