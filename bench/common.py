@@ -1,9 +1,8 @@
 """Helpers shared by the bench scripts: the machine description, the real archive, statistics and the
 section-replacing writer for docs/BENCHMARKS.md.
 
-`write_section` uses the same mechanism as bench/train_throughput.py and bench/convert.py (a regex
-from the section's `## ` heading up to the next `## ` heading or the end): a re-run of a script
-replaces only its own section and keeps every other one.
+`write_section` replaces a regex match from the section's `## ` heading up to the next `## ` heading
+or the end: a re-run of a script replaces only its own section and keeps every other one.
 """
 
 from __future__ import annotations

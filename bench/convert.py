@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import re
 import shlex
 import shutil
 import statistics
@@ -34,16 +32,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import common  # noqa: E402
 from cifar.config import DataConfig  # noqa: E402
 from cifar.data.archive import RestrictedUnpickler  # noqa: E402
 from cifar.data.prepare import prepare_data  # noqa: E402
 
 SECTION = "## Data conversion"
-DOCS_PATH = REPO_ROOT / "docs" / "BENCHMARKS.md"
-DEFAULT_ARCHIVE = REPO_ROOT.parent / "shared" / "data" / "cifar-10-python.tar.gz"
 SEED_SPLITS = {
     "train": [f"data_batch_{index}" for index in range(1, 5)],
     "validation": ["data_batch_5"],
@@ -53,7 +50,7 @@ SEED_SPLITS = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("archive", nargs="?", default=str(DEFAULT_ARCHIVE), help="cifar-10-python.tar.gz")
+    parser.add_argument("archive", nargs="?", default=str(common.DEFAULT_ARCHIVE), help="cifar-10-python.tar.gz")
     parser.add_argument("--sha256", default=None, help="Expected SHA-256 (default: the .sha256 file beside it).")
     parser.add_argument("--repeats", type=int, default=3, help="Timed runs of each converter.")
     parser.add_argument("--scratch", default=None, help="Folder for the outputs (default: a temp folder).")
@@ -145,29 +142,6 @@ def measure(archive: Path, sha256: str | None, repeats: int, scratch: Path) -> d
     return times
 
 
-def _default_sha256(archive: Path) -> str | None:
-    checksum_file = archive.with_name(archive.name + ".sha256")
-    if checksum_file.is_file():
-        return checksum_file.read_text().split()[0]
-    return None
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def machine_description() -> str:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = ", load average %.1f at the start" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
-    return f"{cpu_model()}, {cores} cores{load}; Python {platform.python_version()}, TF {tf.__version__}"
-
-
 def markdown_table(times: dict[str, list[tuple[float, float]]]) -> str:
     baseline = statistics.median(wall for wall, _ in times["baseline"])
     labels = {
@@ -187,26 +161,13 @@ def markdown_table(times: dict[str, list[tuple[float, float]]]) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replaces (or appends) the "## Data conversion" section, keeping every other section."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"{SECTION}\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     archive = Path(args.archive).expanduser().resolve()
     if not archive.is_file():
         raise SystemExit(f"archive not found: {archive}")
-    sha256 = args.sha256 or _default_sha256(archive)
-    machine = machine_description()
+    sha256 = args.sha256 or common.default_sha256(archive)
+    machine = common.machine_description()
     scratch_root = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.scratch))
     try:
         times = measure(archive, sha256, args.repeats, scratch_root)
@@ -236,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
             f"Machine: {machine}{note}\n\n"
             f"{table}\n"
         )
-        write_section(DOCS_PATH, body)
+        common.write_section(SECTION, body)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import re
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -28,13 +25,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import common  # noqa: E402
 from cifar.models import build_model, input_size  # noqa: E402
 from cifar.performance import cpu_supports_bf16, onednn_enabled  # noqa: E402
 
 SECTION = "## Training throughput"
-DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md"
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=4, help="Interleaved rounds the timed steps are split into.")
     parser.add_argument("--no-breakdown", action="store_true", help="Only stock vs ours, not the two halves.")
     parser.add_argument("--xla", action="store_true", help="Also time ours with jit_compile=True.")
-    parser.add_argument("--write-docs", action="store_true", help=f"Write the table into {DOCS_PATH}.")
+    parser.add_argument("--write-docs", action="store_true", help=f"Write the table into {common.DOCS_PATH}.")
     parser.add_argument("--note", default="", help="A note on the machine's state (e.g. shared, loaded).")
     args = parser.parse_args(argv)
     if min(args.batch_size, args.steps, args.rounds) < 1 or args.warmup < 0 or args.steps % args.rounds:
@@ -139,23 +137,11 @@ def measure(model_name: str, args: argparse.Namespace) -> list[tuple[Variant, fl
     return [(variant, args.steps * args.batch_size / elapsed) for variant, elapsed in zip(variants, seconds)]
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def machine_description() -> str:
-    gpus = tf.config.list_physical_devices("GPU")
-    device = f"{len(gpus)} GPU(s)" if gpus else "CPU only"
+def machine_description(load_at_start: str) -> str:
+    """The shared machine line plus whether the CPU has bfloat16 math and oneDNN is on."""
     return (
-        f"{cpu_model()}, {os.cpu_count()} cores, {device}; bfloat16 instructions (AVX512-BF16/AMX): "
-        f"{'yes' if cpu_supports_bf16() else 'no'}, "
-        f"oneDNN: {'on' if onednn_enabled() else 'off'}; TF {tf.__version__}, Keras {keras.__version__}"
+        f"{common.machine_description(load_at_start)}; bfloat16 instructions (AVX512-BF16/AMX): "
+        f"{'yes' if cpu_supports_bf16() else 'no'}, oneDNN: {'on' if onednn_enabled() else 'off'}"
     )
 
 
@@ -172,28 +158,15 @@ def markdown_table(results: dict[str, list[tuple[Variant, float]]], batch_size: 
     return "\n".join(lines)
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replaces (or appends) the "## Training throughput" section, keeping every other section."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"{SECTION}\n\n{body.strip()}\n"
-    pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    load_at_start = common.load_average()
     results = {model_name: measure(model_name, args) for model_name in args.models}
     table = markdown_table(results, args.batch_size)
     print(table)
     if args.write_docs:
-        command = shlex.join(["python", "bench/train_throughput.py", *(argv if argv is not None else sys.argv[1:])])
-        load = ", ".join(f"{value:.1f}" for value in os.getloadavg())
-        note = f"\n\nLoad average (1/5/15 min) at the end of the run: {load}."
+        command = common.command_line("train_throughput.py", argv)
+        note = f"\n\nLoad average (1/5/15 min) at the end of the run: {common.load_average()}."
         note += f" Note: {args.note}" if args.note else ""
         body = (
             "Images/s of `model.fit` training steps (SGD + momentum, sparse cross-entropy) on one fixed\n"
@@ -203,11 +176,11 @@ def main(argv: list[str] | None = None) -> None:
             "\"stock\" is Keras's BatchNormalization in float32. The tutorial CNN has no batch norm, so its gain\n"
             "is bfloat16 alone. XLA is off except in the \"+ XLA\" rows.\n\n"
             f"Command: `{command}`\n\n"
-            f"Machine: {machine_description()}{note}\n\n"
+            f"Machine: {machine_description(load_at_start)}{note}\n\n"
             f"{table}\n"
         )
-        write_section(DOCS_PATH, body)
-        print(f"wrote {DOCS_PATH}")
+        common.write_section(SECTION, body)
+        print(f"wrote {common.DOCS_PATH}")
 
 
 if __name__ == "__main__":

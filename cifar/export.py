@@ -30,12 +30,12 @@ from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
-from pydantic import BaseModel
 
 from cifar.checkpoints import load_eval_model, load_index
 from cifar.config import PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE, load_manifest
 from cifar.evaluate import center_crop, load_split, model_input_size
+from cifar.results import ExportResult
 from cifar.tracking import resolve_tracking_uri, use_run
 from cifar.workdir import export_root
 
@@ -53,18 +53,6 @@ PUBLISH_ATTEMPTS = 100  # Version numbers tried when concurrent exports race for
 
 class ExportVerificationError(RuntimeError):
     """The reloaded SavedModel does not reproduce the evaluated accuracy, or the CLI cannot describe it."""
-
-
-class ExportResult(BaseModel):
-    """Where the verified SavedModel version lives and what it scored."""
-
-    export_dir: str
-    version: int
-    verified_accuracy: float
-    epoch: int
-    signatures: list[str]
-    num_examples: int
-    correct: int
 
 
 class ServingModule(tf.Module):

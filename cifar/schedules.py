@@ -63,14 +63,21 @@ class WarmupPiecewise(keras.optimizers.schedules.LearningRateSchedule):
                 "warmup_steps": self.warmup_steps}
 
 
-@keras.saving.register_keras_serializable(package="cifar")
-class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
-    """Linear warm-up to the peak, then cosine decay to 0 at `total_steps`."""
+class _PeakOverRunSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A schedule given by its peak rate, the run's length in steps and the warm-up steps."""
 
     def __init__(self, peak: float, total_steps: int, warmup_steps: int = 0):
         self.peak = float(peak)
         self.total_steps = int(total_steps)
         self.warmup_steps = int(warmup_steps)
+
+    def get_config(self) -> dict:
+        return {"peak": self.peak, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps}
+
+
+@keras.saving.register_keras_serializable(package="cifar")
+class WarmupCosine(_PeakOverRunSchedule):
+    """Linear warm-up to the peak, then cosine decay to 0 at `total_steps`."""
 
     def __call__(self, step):
         step = ops.cast(step, "float32")
@@ -79,18 +86,10 @@ class WarmupCosine(keras.optimizers.schedules.LearningRateSchedule):
         cosine = 0.5 * (1.0 + ops.cos(math.pi * progress))
         return self.peak * ops.where(step < self.warmup_steps, _warmup_factor(step, self.warmup_steps), cosine)
 
-    def get_config(self) -> dict:
-        return {"peak": self.peak, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps}
-
 
 @keras.saving.register_keras_serializable(package="cifar")
-class OneCycle(keras.optimizers.schedules.LearningRateSchedule):
+class OneCycle(_PeakOverRunSchedule):
     """Triangular one-cycle: linear from 0 to the peak over the warm-up, then linear down to 0."""
-
-    def __init__(self, peak: float, total_steps: int, warmup_steps: int = 0):
-        self.peak = float(peak)
-        self.total_steps = int(total_steps)
-        self.warmup_steps = int(warmup_steps)
 
     def __call__(self, step):
         step = ops.cast(step, "float32")
@@ -98,9 +97,6 @@ class OneCycle(keras.optimizers.schedules.LearningRateSchedule):
         falling = (self.total_steps - step) / max(1, self.total_steps - self.warmup_steps)
         factor = ops.where(step < self.warmup_steps, rising, falling)
         return self.peak * ops.clip(factor, 0.0, 1.0)
-
-    def get_config(self) -> dict:
-        return {"peak": self.peak, "total_steps": self.total_steps, "warmup_steps": self.warmup_steps}
 
 
 def make_schedule(

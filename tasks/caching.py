@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from prefect import task
 from prefect.cache_policies import CachePolicy
 
 from cifar.config import PipelineConfig
@@ -43,9 +44,9 @@ STAGE_SOURCES: dict[str, tuple[str, ...]] = {
               "workdir.py", "data/manifest.py"),
     "evaluate": ("evaluate.py", "checkpoints.py", "layers.py", "models.py", "plots.py", "tracking.py", "io.py",
                  "data/manifest.py"),
-    "export": ("export.py", "evaluate.py", "checkpoints.py", "layers.py", "models.py", "tracking.py", "io.py",
-               "data/manifest.py"),
-    "register": ("registry.py", "export.py", "tracking.py"),
+    "export": ("export.py", "results.py", "evaluate.py", "checkpoints.py", "layers.py", "models.py", "tracking.py",
+               "io.py", "data/manifest.py"),
+    "register": ("registry.py", "export.py", "results.py", "tracking.py"),
 }
 
 # The config fields that shape each stage's output. Anything else (retries, where the archive came
@@ -161,6 +162,12 @@ class StageCachePolicy(CachePolicy):
         if store is not None and not task_ctx.task.refresh_cache:
             expire_if_invalid(store, key, self.is_valid)
         return key
+
+
+def stage_task(name: str, *, key_fn: Callable[..., str], is_valid: Callable[[Any], bool], **options: Any):
+    """Prefect's `task` decorator for a pipeline stage: cached by `StageCachePolicy`, results persisted as JSON."""
+    return task(name=name, cache_policy=StageCachePolicy(key_fn=key_fn, is_valid=is_valid), persist_result=True,
+                result_serializer="json", **options)
 
 
 def expire_if_invalid(store, key: str, is_valid: Callable[[Any], bool]) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
 from prefect.tasks import exponential_backoff
 
 from cifar.config import PipelineConfig
@@ -13,7 +12,7 @@ from cifar.data.prepare import DataResult, prepare_data
 from cifar.io import file_digest
 from cifar.workdir import downloads_dir
 from tasks.artifacts import ProgressReporter
-from tasks.caching import StageCachePolicy, fingerprint, stage_key
+from tasks.caching import fingerprint, stage_key, stage_task
 
 
 class Archive(ArchiveInfo):
@@ -51,15 +50,14 @@ def retry_unless_invalid(task, task_run, state) -> bool:
     return not isinstance(error, (ChecksumMismatchError, ValueError, FileNotFoundError))
 
 
-@task(
-    name="download",
+@stage_task(
+    "download",
+    key_fn=archive_key,
+    is_valid=archive_is_valid,
     retries=3,
     retry_delay_seconds=exponential_backoff(backoff_factor=10),
     retry_jitter_factor=0.5,
     retry_condition_fn=retry_unless_invalid,
-    cache_policy=StageCachePolicy(key_fn=archive_key, is_valid=archive_is_valid),
-    persist_result=True,
-    result_serializer="json",
 )
 def download_archive(config: PipelineConfig, workdir: str) -> Archive:
     """Downloads the archive (or finds a local one) and verifies its checksum."""
@@ -73,12 +71,7 @@ def download_archive(config: PipelineConfig, workdir: str) -> Archive:
     return Archive(**info.model_dump(), fingerprint=fingerprint([info.path], root="/"))
 
 
-@task(
-    name="prepare",
-    cache_policy=StageCachePolicy(key_fn=dataset_key, is_valid=dataset_is_valid),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_task("prepare", key_fn=dataset_key, is_valid=dataset_is_valid)
 def prepare_dataset(config: PipelineConfig, archive: Archive, workdir: str) -> Dataset:
     """Converts the verified archive into TFRecord shards, a manifest and statistics."""
     progress = ProgressReporter("prepare", f"Conversion of {Path(archive.path).name} into TFRecord shards")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from cifar.config import PipelineConfig
-from tasks.caching import StageCachePolicy, fingerprint, stage_key
+from cifar.results import ExportResult
+from tasks.caching import fingerprint, stage_key, stage_task
 from tasks.data import Dataset
 from tasks.training import Training
 
@@ -25,18 +25,11 @@ class Evaluation(BaseModel):
     fingerprint: str
 
 
-class Export(BaseModel):
+class Export(ExportResult):
     """A published, verified SavedModel version."""
 
     model_config = ConfigDict(extra="ignore")
 
-    export_dir: str
-    version: int
-    verified_accuracy: float
-    epoch: int
-    signatures: list[str]
-    num_examples: int
-    correct: int
     fingerprint: str
 
 
@@ -84,12 +77,7 @@ def promotion_is_valid(promotion: Promotion) -> bool:
     return True  # Its key already holds the export's fingerprint; a registered version stays registered.
 
 
-@task(
-    name="evaluate",
-    cache_policy=StageCachePolicy(key_fn=evaluation_key, is_valid=evaluation_is_valid),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_task("evaluate", key_fn=evaluation_key, is_valid=evaluation_is_valid)
 def evaluate_model(config: PipelineConfig, dataset: Dataset, training: Training, workdir: str) -> Evaluation:
     """Evaluates the best checkpoint (by validation accuracy) on the test split."""
     from cifar.evaluate import evaluate
@@ -100,12 +88,7 @@ def evaluate_model(config: PipelineConfig, dataset: Dataset, training: Training,
                       fingerprint=fingerprint([result.metrics_path, result.predictions_path]))
 
 
-@task(
-    name="export",
-    cache_policy=StageCachePolicy(key_fn=export_key, is_valid=export_is_valid),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_task("export", key_fn=export_key, is_valid=export_is_valid)
 def export_model(config: PipelineConfig, dataset: Dataset, training: Training, evaluation: Evaluation,
                  workdir: str) -> Export:
     """Exports the evaluated checkpoint as the next verified SavedModel version (never overwrites one)."""
@@ -119,15 +102,9 @@ def export_model(config: PipelineConfig, dataset: Dataset, training: Training, e
 
 # No task retries: a second attempt could register the same export twice, and the MLflow client
 # already retries its HTTP requests.
-@task(
-    name="register",
-    cache_policy=StageCachePolicy(key_fn=promotion_key, is_valid=promotion_is_valid),
-    persist_result=True,
-    result_serializer="json",
-)
+@stage_task("register", key_fn=promotion_key, is_valid=promotion_is_valid)
 def register_model(config: PipelineConfig, training: Training, evaluation: Evaluation, export: Export) -> Promotion:
     """Registers the export in MLflow and moves the champion alias only if it passes the gate."""
-    from cifar.export import ExportResult
     from cifar.registry import register_and_promote
 
     export_result = ExportResult.model_validate(export.model_dump(include=set(ExportResult.model_fields)))

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from prefect import task
 from pydantic import BaseModel, ConfigDict
 
 from cifar.config import PipelineConfig
 from tasks.artifacts import ProgressReporter
-from tasks.caching import StageCachePolicy, fingerprint, stage_key, tracking_uri
+from tasks.caching import fingerprint, stage_key, stage_task, tracking_uri
 from tasks.data import Dataset
 
 # Fault injection for drills and the crash/resume test: with CIFAR_FAULT_AFTER_EPOCH=N the training
@@ -62,12 +61,11 @@ def epoch_reporter(config: PipelineConfig):
     return on_epoch
 
 
-@task(
-    name="train",
+@stage_task(
+    "train",
+    key_fn=training_key,
+    is_valid=training_is_valid,
     tags=["training"],  # A tag concurrency limit of 1 keeps two trainings off one device.
-    cache_policy=StageCachePolicy(key_fn=training_key, is_valid=training_is_valid),
-    persist_result=True,
-    result_serializer="json",
 )
 def train_model(config: PipelineConfig, dataset: Dataset, workdir: str) -> Training:
     """Trains the model, resuming from the last checkpoint of the same run when there is one."""
