@@ -211,7 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--until", default="export", choices=STAGES,
                         help="last stage to run (export includes registering and promotion)")
     parser.add_argument("--refresh", action="store_true", help="recompute every stage instead of using cached results")
-    parser.add_argument("--fresh", action="store_true", help="train from scratch instead of resuming (train.resume=false)")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true",
+                        help="continue the same training run from its last completed epoch (the default)")
+    resume.add_argument("--fresh", action="store_true",
+                        help="discard that run's checkpoints and train from scratch (train.resume=false)")
     parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
                         help="override one config field, e.g. --set train.epochs=3 (repeatable; values parse as JSON)")
     return parser
