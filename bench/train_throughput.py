@@ -1,4 +1,4 @@
-"""Training throughput, side by side: stock Keras float32 vs ours (fused batch norm + mixed_bfloat16).
+"""Training throughput, side by side: stock Keras float32 vs ours (fused batch norm, fused GELU, bf16).
 
 Every variant trains on the same fixed uint8 batch repeated in memory (no input pipeline in the
 measurement) through `model.fit`'s compiled train step (SGD with momentum, sparse cross-entropy).
@@ -41,20 +41,27 @@ class Variant:
     precision: str
     fused_batchnorm: bool
     jit_compile: bool = False
+    fused_gelu: bool | None = None  # None: same as fused_batchnorm (ours fuses both, stock neither).
+
+    @property
+    def gelu_fused(self) -> bool:
+        return self.fused_batchnorm if self.fused_gelu is None else self.fused_gelu
 
 
 STOCK = Variant("stock Keras fp32", "float32", False)
-OURS = Variant("ours: fused BN + bf16", "mixed_bfloat16", True)
+OURS = Variant("ours: fused BN (+ fused GELU) + bf16", "mixed_bfloat16", True)
 # The two halves of the change, to show what each contributes (only where the model has batch norm).
 FUSED_ONLY = Variant("fused BN, fp32", "float32", True)
 BF16_ONLY = Variant("Keras BN, bf16", "mixed_bfloat16", False)
 # What "auto" jit avoids on CPU: XLA compiles the convolutions itself instead of calling oneDNN.
 OURS_XLA = Variant("ours + XLA (jit_compile)", "mixed_bfloat16", True, jit_compile=True)
+# The fast net's GELU: Keras's bfloat16 GELU next to ours (both with fused BN and bf16).
+KERAS_GELU = Variant("fused BN + bf16, Keras GELU", "mixed_bfloat16", True, fused_gelu=False)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["resnet20", "tutorial"])
+    parser.add_argument("--models", nargs="+", default=["resnet20", "tutorial", "fast"])
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=20, help="Timed training steps per variant.")
     parser.add_argument("--warmup", type=int, default=5, help="Untimed steps per variant before timing.")
@@ -72,6 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def variants_for(model_name: str, breakdown: bool, xla: bool) -> list[Variant]:
     has_batch_norm = model_name != "tutorial" and model_name != "tiny"
     variants = [STOCK, FUSED_ONLY, BF16_ONLY, OURS] if breakdown and has_batch_norm else [STOCK, OURS]
+    if breakdown and model_name == "fast":
+        variants = [STOCK, KERAS_GELU, OURS]
     return variants + [OURS_XLA] if xla else variants
 
 
@@ -80,7 +89,7 @@ def compiled_model(model_name: str, variant: Variant) -> keras.Model:
     keras.mixed_precision.set_global_policy(variant.precision)
     try:
         keras.utils.set_random_seed(0)
-        model = build_model(model_name, fused_batchnorm=variant.fused_batchnorm)
+        model = build_model(model_name, fused_batchnorm=variant.fused_batchnorm, fused_gelu=variant.gelu_fused)
         model.compile(
             optimizer=keras.optimizers.SGD(learning_rate=0.01, momentum=0.9, nesterov=True),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -172,9 +181,10 @@ def main(argv: list[str] | None = None) -> None:
             "Images/s of `model.fit` training steps (SGD + momentum, sparse cross-entropy) on one fixed\n"
             f"uint8 batch repeated in memory, {args.warmup} warm-up steps excluded, {args.steps} timed steps per\n"
             f"variant interleaved in {args.rounds} rounds so load changes hit every variant alike. \"Ours\" is\n"
-            "`fused_batchnorm=True` (cifar.layers.FusedBatchNormalization) with the `mixed_bfloat16` policy;\n"
-            "\"stock\" is Keras's BatchNormalization in float32. The tutorial CNN has no batch norm, so its gain\n"
-            "is bfloat16 alone. XLA is off except in the \"+ XLA\" rows.\n\n"
+            "`fused_batchnorm=True` (cifar.layers.FusedBatchNormalization) and, in the fast net,\n"
+            "`fused_gelu=True` (cifar.layers.Gelu: XLA-fused GELU kernels) with the `mixed_bfloat16` policy;\n"
+            "\"stock\" is Keras's BatchNormalization and GELU in float32. The tutorial CNN has no batch norm, so\n"
+            "its gain is bfloat16 alone. XLA is off (for the whole step) except in the \"+ XLA\" rows.\n\n"
             f"Command: `{command}`\n\n"
             f"Machine: {machine_description(load_at_start)}{note}\n\n"
             f"{table}\n"

@@ -42,6 +42,7 @@ class EvaluationResult(BaseModel):
     test_accuracy: float
     test_loss: float
     flip_tta_accuracy: float | None
+    tta_accuracy: float | None = None  # Flip + 1-pixel translations (airbench's TTA level 2).
     num_examples: int
     correct: int  # Correctly classified test images: the exact count behind test_accuracy.
     metrics_path: str
@@ -107,6 +108,26 @@ def predict_logits(model, images: np.ndarray, batch_size: int, *, flip: bool = F
     outputs = [forward(tf.constant(images[start : start + batch_size])).numpy()
                for start in range(0, len(images), batch_size)]
     return np.concatenate(outputs) if outputs else np.zeros((0, NUM_CLASSES), np.float32)
+
+
+def translated(images: np.ndarray, rows: int, columns: int) -> np.ndarray:
+    """Images shifted by (rows, columns) pixels (each -1, 0 or 1), the border filled by reflection."""
+    padded = np.pad(images, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="reflect")
+    height, width = images.shape[1:3]
+    return padded[:, 1 - rows : 1 - rows + height, 1 - columns : 1 - columns + width, :]
+
+
+def tta_logits(model, images: np.ndarray, batch_size: int) -> np.ndarray:
+    """airbench94's test-time augmentation (level 2) as logits: flips and 1-pixel translations.
+
+    Half the weight is the mean of the image and its mirror; the other half is the same for the
+    image shifted one pixel down-right and one pixel up-left (reflect-padded), averaged.
+    """
+    def mirrored(batch: np.ndarray) -> np.ndarray:
+        return 0.5 * (predict_logits(model, batch, batch_size) + predict_logits(model, batch, batch_size, flip=True))
+
+    shifted = 0.5 * (mirrored(translated(images, 1, 1)) + mirrored(translated(images, -1, -1)))
+    return 0.5 * mirrored(images) + 0.5 * shifted
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -180,9 +201,9 @@ def predictions_table_bytes(labels: np.ndarray, probabilities: np.ndarray, flip_
 
 def evaluate_checkpoint(
     checkpoint_dir: Path, entry: CheckpointEntry, images: np.ndarray, labels: np.ndarray, *,
-    batch_size: int, flip_tta: bool,
+    batch_size: int, flip_tta: bool, translate_tta: bool = False,
 ) -> dict[str, Any]:
-    """Scores one checkpoint's evaluation weights: probabilities, accuracy, loss and (optionally) flip TTA."""
+    """Scores one checkpoint's evaluation weights: probabilities, accuracy, loss and (optionally) TTA."""
     model = load_eval_model(checkpoint_dir, entry)
     cropped = center_crop(images, model_input_size(model))
     probabilities = softmax(predict_logits(model, cropped, batch_size))
@@ -193,6 +214,8 @@ def evaluate_checkpoint(
         flipped = softmax(predict_logits(model, cropped, batch_size, flip=True))
         outcome["flip_probabilities"] = (probabilities + flipped) / 2
         outcome["flip_tta_accuracy"] = score(outcome["flip_probabilities"], labels)["accuracy"]
+    if translate_tta:
+        outcome["tta_accuracy"] = score(softmax(tta_logits(model, cropped, batch_size)), labels)["accuracy"]
     return outcome
 
 
@@ -209,6 +232,8 @@ def log_to_mlflow(
         values = {"test_accuracy": metrics["test_accuracy"], "test_loss": metrics["test_loss"]}
         if metrics["flip_tta_accuracy"] is not None:
             values["test_accuracy_flip_tta"] = metrics["flip_tta_accuracy"]
+        if metrics.get("tta_accuracy") is not None:
+            values["test_accuracy_tta"] = metrics["tta_accuracy"]
         for name, class_metrics in metrics["per_class"].items():
             values[f"test_precision_{name}"] = class_metrics["precision"]
             values[f"test_recall_{name}"] = class_metrics["recall"]
@@ -244,7 +269,8 @@ def evaluate(
     for entry in entries:
         is_chosen = entry.epoch == chosen.epoch
         outcome = evaluate_checkpoint(checkpoint_dir, entry, images, labels, batch_size=settings.batch_size,
-                                      flip_tta=settings.flip_tta and is_chosen)
+                                      flip_tta=settings.flip_tta and is_chosen,
+                                      translate_tta=settings.translate_tta and is_chosen)
         row = {"epoch": entry.epoch, "accuracy": outcome["accuracy"], "loss": outcome["loss"],
                "correct": outcome["correct"]}
         if "val_accuracy" in entry.metrics:
@@ -266,6 +292,7 @@ def evaluate(
         "test_accuracy": best_outcome["accuracy"],
         "test_loss": best_outcome["loss"],
         "flip_tta_accuracy": best_outcome.get("flip_tta_accuracy"),
+        "tta_accuracy": best_outcome.get("tta_accuracy"),
         "class_names": list(manifest.class_names),
         "per_class": per_class_metrics(matrix, manifest.class_names),
         "confusion_matrix": matrix.tolist(),
@@ -296,6 +323,7 @@ def evaluate(
         test_accuracy=metrics["test_accuracy"],
         test_loss=metrics["test_loss"],
         flip_tta_accuracy=metrics["flip_tta_accuracy"],
+        tta_accuracy=metrics["tta_accuracy"],
         num_examples=metrics["num_examples"],
         correct=metrics["correct"],
         metrics_path=str(metrics_path),

@@ -57,24 +57,49 @@ def _gather_crops(images: tf.Tensor, rows: tf.Tensor, columns: tf.Tensor) -> tf.
     return tf.gather(images, columns, axis=2, batch_dims=1)  # (B, H, W, C)
 
 
-def random_crop_flip(images: tf.Tensor, size: int, pad: int, seed: tf.Tensor) -> tf.Tensor:
-    """Batched augmentation: zero-pad by `pad`, take a random `size` crop per image, flip half.
+def random_crop_flip(
+    images: tf.Tensor, size: int, pad: int, seed: tf.Tensor, *, padding_mode: str = "zeros",
+    flips: tf.Tensor | None = None,
+) -> tf.Tensor:
+    """Batched augmentation: pad by `pad`, take a random `size` crop per image, flip half.
 
     `seed` is a stateless seed (shape (2,)), so the same seed gives the same crops and flips.
+    `padding_mode` is "zeros" (the ResNet paper) or "reflect" (airbench). `flips` (B,) int32 0/1
+    gives the flips instead of drawing them (see `alternating_flips`).
     """
+    if padding_mode not in ("zeros", "reflect"):
+        raise ValueError(f"padding_mode must be 'zeros' or 'reflect', got {padding_mode!r}")
     if pad:
-        images = tf.pad(images, [[0, 0], [pad, pad], [pad, pad], [0, 0]])
+        mode = "CONSTANT" if padding_mode == "zeros" else "REFLECT"
+        images = tf.pad(images, [[0, 0], [pad, pad], [pad, pad], [0, 0]], mode=mode)
     batch = tf.shape(images)[0]
     max_offset = tf.shape(images)[1] - size
     seeds = tf.random.experimental.stateless_split(seed, 3)
     row_offsets = tf.random.stateless_uniform([batch, 1], seeds[0], 0, max_offset + 1, dtype=tf.int32)
     column_offsets = tf.random.stateless_uniform([batch, 1], seeds[1], 0, max_offset + 1, dtype=tf.int32)
-    flips = tf.random.stateless_uniform([batch, 1], seeds[2], 0, 2, dtype=tf.int32)
+    if flips is None:
+        flips = tf.random.stateless_uniform([batch, 1], seeds[2], 0, 2, dtype=tf.int32)
+    else:
+        flips = tf.reshape(tf.cast(flips, tf.int32), [batch, 1])
     steps = tf.range(size, dtype=tf.int32)[None, :]  # (1, size)
     rows = row_offsets + steps  # (B, size)
     # A flipped image reads its columns right to left.
     columns = column_offsets + tf.where(flips == 1, size - 1 - steps, steps)  # (B, size)
     return _gather_crops(images, rows, columns)
+
+
+def alternating_flips(serialized: tf.Tensor, seed: int, epoch: tf.Tensor) -> tf.Tensor:
+    """airbench's alternating flip: (B,) int32, 1 = mirror this example in this epoch.
+
+    Each example gets a fixed random bit (a keyed hash of its record, so it needs no example id
+    and is the same in every epoch and on every worker) and is mirrored when that bit differs from
+    the epoch's parity: every image is seen both ways round in any two consecutive epochs, instead
+    of by chance.
+    """
+    key = [seed & 0xFFFFFFFF, 0x5EED]
+    bits = tf.cast(tf.strings.to_hash_bucket_strong(serialized, 2, key=key), tf.int32)
+    parity = tf.cast(tf.math.floormod(epoch, 2), tf.int32)
+    return tf.bitwise.bitwise_xor(bits, parity)
 
 
 def center_crop(images: tf.Tensor, size: int) -> tf.Tensor:
@@ -126,15 +151,27 @@ def make_train_dataset(
     shuffle_buffer: int = 10_000,
     deterministic: bool = False,
     start_step: int = 0,
+    crop_padding: int | None = None,
+    padding_mode: str = "zeros",
+    flip: str = "random",
+    steps_per_epoch: int | None = None,
 ) -> tf.data.Dataset:
     """An endless stream of shuffled, augmented GLOBAL batches from the training splits.
 
     `start_step` offsets the per-batch augmentation seeds and the shuffle seed so a resumed run
-    does not replay the first epochs' crops and order.
+    does not replay the first epochs' crops and order. `crop_padding` (None = `PAD_PIXELS` for
+    32x32 inputs, 0 for smaller crops) and `padding_mode` set the random translation; `flip` is
+    "random", "alternating" (needs `steps_per_epoch` to know the epoch of a step) or "none".
     """
+    if flip not in ("random", "alternating", "none"):
+        raise ValueError(f"flip must be 'random', 'alternating' or 'none', got {flip!r}")
+    if flip == "alternating" and not steps_per_epoch:
+        raise ValueError("alternating flips need steps_per_epoch")
     manifest = load_manifest(data_dir)
     paths = split_paths(manifest, data_dir, splits)
-    pad = PAD_PIXELS if image_size == IMAGE_SHAPE[0] else 0
+    if crop_padding is None:
+        crop_padding = PAD_PIXELS if image_size == IMAGE_SHAPE[0] else 0
+    pad = crop_padding
     shuffle_seed = seed + 1_000_003 * start_step
     dataset = _records(paths, deterministic=deterministic, shuffle_files_seed=shuffle_seed)
     if cache:
@@ -149,7 +186,12 @@ def make_train_dataset(
         images, labels = parse_batch(serialized)
         if augment:
             batch_seed = tf.stack([tf.cast(seed, tf.int64), step])
-            images = random_crop_flip(images, image_size, pad, batch_seed)
+            flips = None
+            if flip == "alternating":
+                flips = alternating_flips(serialized, seed, step // steps_per_epoch)
+            elif flip == "none":
+                flips = tf.zeros_like(labels)
+            images = random_crop_flip(images, image_size, pad, batch_seed, padding_mode=padding_mode, flips=flips)
         elif image_size != IMAGE_SHAPE[0]:
             images = center_crop(images, image_size)
         return images, labels

@@ -27,6 +27,7 @@ from keras import layers
 from cifar.layers import (
     ChannelPadding,
     FusedBatchNormalization,
+    Gelu,
     LocalResponseNormalization,
     PartialDirac,
     PatchWhitening,
@@ -227,7 +228,12 @@ WHITENING_EPSILON = 5e-4  # airbench94 init_whitening_conv eps added to the eige
 WHITENING_IMAGES = 5000  # airbench94 whitens with the first 5,000 training images.
 
 
-def _fast_conv_group(x: keras.KerasTensor, filters: int, fused: bool, name: str) -> keras.KerasTensor:
+def gelu(fused: bool, name: str) -> layers.Layer:
+    """Exact GELU: ours with XLA-fused training kernels, or Keras's own (same numerics)."""
+    return Gelu(name=name) if fused else layers.Activation("gelu", name=name)
+
+
+def _fast_conv_group(x: keras.KerasTensor, filters: int, fused: bool, fused_gelu: bool, name: str) -> keras.KerasTensor:
     """airbench's ConvGroup: conv-pool-BN-GELU-conv-BN-GELU, convs without bias, BN without scale."""
     for index in (1, 2):
         x = layers.Conv2D(
@@ -240,26 +246,29 @@ def _fast_conv_group(x: keras.KerasTensor, filters: int, fused: bool, name: str)
         x = batch_norm(
             fused, momentum=FAST_BN_MOMENTUM, epsilon=FAST_BN_EPSILON, scale=False, name=f"{name}_bn{index}"
         )(x)
-        x = layers.Activation("gelu", name=f"{name}_gelu{index}")(x)  # Exact (erf) GELU, PyTorch's default.
+        x = gelu(fused_gelu, f"{name}_gelu{index}")(x)  # Exact (erf) GELU, PyTorch's default.
     return x
 
 
 @register("fast")
 def build_fast(
-    mean: Sequence[float], std: Sequence[float], *, fused_batchnorm: bool = True, **_: object
+    mean: Sequence[float], std: Sequence[float], *, fused_batchnorm: bool = True, fused_gelu: bool = True,
+    **_: object,
 ) -> keras.Model:
     """airbench94's net: frozen 2x2 patch whitening, three conv groups 64/256/256, global max pool.
 
     Call `init_whitening(model, train_images)` before training to set the whitening filters from
-    data. airbench trains the whitening bias for the first 3 epochs only; here it stays trainable.
+    data. airbench trains the whitening bias for the first 3 epochs only (`train.whitening_bias_epochs`).
     """
     inputs, x = normalized_input(32, mean, std)
     x = PatchWhitening(FAST_WHITENING_PATCH, name="whitening")(x)  # (B, 31, 31, 24)
-    x = layers.Activation("gelu", name="whitening_gelu")(x)
+    x = gelu(fused_gelu, "whitening_gelu")(x)
     for index, filters in enumerate(FAST_WIDTHS, start=1):
-        x = _fast_conv_group(x, filters, fused_batchnorm, name=f"group{index}")  # 31 -> 15 -> 7 -> 3
+        x = _fast_conv_group(x, filters, fused_batchnorm, fused_gelu, name=f"group{index}")  # 31 -> 15 -> 7 -> 3
     x = layers.GlobalMaxPooling2D(name="pool")(x)  # (B, 256): airbench's MaxPool2d(3) on the 3x3 map.
-    logits = logits_head(x, use_bias=False, output_scale=FAST_OUTPUT_SCALE)
+    # PyTorch's default Linear init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as airbench's classifier has.
+    torch_linear_init = keras.initializers.VarianceScaling(scale=1.0 / 3.0, mode="fan_in", distribution="uniform")
+    logits = logits_head(x, use_bias=False, kernel_initializer=torch_linear_init, output_scale=FAST_OUTPUT_SCALE)
     return keras.Model(inputs, logits, name="fast")
 
 
@@ -329,11 +338,13 @@ def build_model(
     mean: Sequence[float] = (0.5, 0.5, 0.5),
     std: Sequence[float] = (0.25, 0.25, 0.25),
     fused_batchnorm: bool = True,
+    fused_gelu: bool = True,
 ) -> keras.Model:
     """Builds the named model. `mean`/`std` are per channel on the 0..1 scale (from the manifest).
 
     `fused_batchnorm` picks `cifar.layers.FusedBatchNormalization` over Keras's BatchNormalization
-    (same numerics, one fused kernel); models without batch norm ignore it. Set the mixed-precision
+    (same numerics, one fused kernel); models without batch norm ignore it. `fused_gelu` picks
+    `cifar.layers.Gelu` (XLA-fused training kernels) over Keras's GELU in the fast net. Set the mixed-precision
     policy (`cifar.performance.configure_performance`) before calling this.
     """
     if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
@@ -343,4 +354,4 @@ def build_model(
         return _BUILDERS["resnet"](mean=mean, std=std, fused_batchnorm=fused_batchnorm, depth=int(match.group(1)))
     if name not in _BUILDERS or name == "resnet":
         raise ValueError(f"unknown model {name!r}: expected tutorial, fast, tiny or resnet{{6n+2}}")
-    return _BUILDERS[name](mean=mean, std=std, fused_batchnorm=fused_batchnorm)
+    return _BUILDERS[name](mean=mean, std=std, fused_batchnorm=fused_batchnorm, fused_gelu=fused_gelu)

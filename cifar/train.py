@@ -33,6 +33,7 @@ MLflow run is marked FAILED.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import sys
 import time
@@ -50,6 +51,7 @@ from cifar.callbacks import (
     EpochCheckpoint,
     EpochProgress,
     EpochStatistics,
+    Lookahead,
     MetricsLogger,
     TrainingDivergedError,
 )
@@ -60,6 +62,7 @@ from cifar.input_pipeline import make_eval_dataset, make_train_dataset, split_si
 from cifar.io import atomic_write_json, read_json
 from cifar.layers import PatchWhitening
 from cifar.models import build_model, init_whitening, input_size
+from cifar.optimizers import GroupedSGD
 from cifar.train_plots import plot_training_curves
 from cifar.workdir import run_dir as run_dir_of
 from cifar.workdir import stable_hash
@@ -143,36 +146,66 @@ def compute_steps_per_epoch(config: PipelineConfig, num_examples: int) -> int:
     return min(full_batches, cap) if cap else full_batches
 
 
-def add_weight_decay(model: keras.Model, weight_decay: float) -> list[str]:
-    """Puts an L2 penalty (gradient `weight_decay * w`) on every conv/dense kernel; returns their paths."""
+BATCH_NORM_BIAS_PATTERN = r"(^|/)beta$"  # Batch-norm biases (Keras's and ours are named "beta").
+WHITENING_BIAS_PATTERN = r"(^|/)whitening/bias$"  # The fast net's PatchWhitening bias.
+
+
+def add_weight_decay(model: keras.Model, weight_decay: float, *, decay_biases: bool = False,
+                     bias_multiplier: float = 1.0) -> list[str]:
+    """Puts an L2 penalty (gradient `weight_decay * w`) on every conv/dense kernel; returns their paths.
+
+    With `decay_biases` every other trainable variable (biases, batch-norm beta/gamma) is decayed
+    too, by `weight_decay / multiplier` where its learning rate is `multiplier` times the base: the
+    product of rate and decay, i.e. how much of the weight each step removes, is then the same for
+    every parameter (airbench's parameterisation).
+    """
     if weight_decay <= 0:
         return []
     regularizer = keras.regularizers.L2(weight_decay / 2.0)
+    bias_regularizer = keras.regularizers.L2(weight_decay / 2.0 / bias_multiplier)
     decayed = []
     for variable in model.trainable_variables:
-        # Kernels of Conv/Dense/Depthwise/Separable layers; biases and BN gamma/beta are left alone.
+        # Kernels of Conv/Dense/Depthwise/Separable layers; biases and BN gamma/beta only on request.
         if variable.name.endswith("kernel"):
             variable.regularizer = regularizer
-            decayed.append(variable.path)
+        elif decay_biases:
+            is_batch_norm_bias = re.search(BATCH_NORM_BIAS_PATTERN, variable.path) is not None
+            variable.regularizer = bias_regularizer if is_batch_norm_bias else regularizer
+        else:
+            continue
+        decayed.append(variable.path)
     return decayed
 
 
-def compile_model(model: keras.Model, config: PipelineConfig, steps_per_epoch: int, jit_compile: bool) -> None:
+def make_optimizer(config: PipelineConfig, steps_per_epoch: int) -> GroupedSGD:
+    """SGD with momentum on the configured schedule, with airbench's parameter groups when asked."""
     train = config.train
     schedule = schedules.make_schedule(
         train.schedule, learning_rate=train.learning_rate, batch_size=train.batch_size,
         steps_per_epoch=steps_per_epoch, epochs=train.epochs, warmup_epochs=train.warmup_epochs,
+        initial_factor=train.warmup_initial_factor, final_factor=train.final_learning_rate_factor,
     )
-    optimizer = keras.optimizers.SGD(
+    multipliers = {}
+    if train.bias_learning_rate_multiplier != 1.0:
+        multipliers[BATCH_NORM_BIAS_PATTERN] = train.bias_learning_rate_multiplier
+    stops = {}
+    if train.whitening_bias_epochs is not None:
+        stops[WHITENING_BIAS_PATTERN] = int(round(train.whitening_bias_epochs * steps_per_epoch))
+    return GroupedSGD(
         learning_rate=schedule, momentum=train.momentum, nesterov=train.nesterov,
+        learning_rate_multipliers=multipliers, stop_after_steps=stops,
         use_ema=train.ema_decay is not None, ema_momentum=train.ema_decay or 0.99,
     )
+
+
+def compile_model(model: keras.Model, config: PipelineConfig, steps_per_epoch: int, jit_compile: bool) -> None:
+    train = config.train
     if train.label_smoothing > 0:
         loss = SparseCrossentropyWithSmoothing(train.label_smoothing)
     else:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(optimizer=optimizer, loss=loss, metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
-                  jit_compile=jit_compile)
+    model.compile(optimizer=make_optimizer(config, steps_per_epoch), loss=loss,
+                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")], jit_compile=jit_compile)
 
 
 def _avoid_collective_shape_probe(model: keras.Model, strategy, batch_size: int, image_size: int) -> None:
@@ -303,12 +336,13 @@ def _build_model(config: PipelineConfig, manifest: Manifest, plan, strategy, ste
     train_config = config.train
     with strategy.scope():
         model = build_model(train_config.model, mean=manifest.mean, std=manifest.std,
-                            fused_batchnorm=train_config.fused_batchnorm)
+                            fused_batchnorm=train_config.fused_batchnorm, fused_gelu=train_config.fused_gelu)
         if checkpoint is None and any(isinstance(layer, PatchWhitening) for layer in model.layers):
             # The fast net's frozen first conv whitens 2x2 patches; its filters come from the data
             # (airbench94's init_whitening_conv). A resumed run restores them from the checkpoint.
             init_whitening(model, _whitening_images(config, data_dir))
-        add_weight_decay(model, train_config.weight_decay)
+        add_weight_decay(model, train_config.weight_decay, decay_biases=train_config.decay_biases,
+                         bias_multiplier=train_config.bias_learning_rate_multiplier)
         compile_model(model, config, steps_per_epoch, jit_compile)
         if plan.cluster is not None:
             _avoid_collective_shape_probe(model, strategy, train_config.batch_size // plan.num_replicas,
@@ -331,6 +365,8 @@ def _make_datasets(config: PipelineConfig, manifest: Manifest, data_dir: Path, p
         data_dir, splits=train_splits, batch_size=train_config.batch_size, image_size=image_size, seed=config.seed,
         augment=train_config.augment, cache=train_config.cache, shuffle_buffer=train_config.shuffle_buffer,
         deterministic=deterministic, start_step=initial_epoch * steps_per_epoch,
+        crop_padding=train_config.crop_padding, padding_mode=train_config.padding_mode, flip=train_config.flip,
+        steps_per_epoch=steps_per_epoch,
     )
     validation_dataset = None
     if validation_splits:
@@ -410,6 +446,9 @@ def train(
     all_callbacks: list[keras.callbacks.Callback] = [EpochStatistics(train_config.batch_size), DivergenceGuard()]
     if train_config.ema_decay is not None:
         all_callbacks.append(keras.callbacks.SwapEMAWeights())  # Validate with the EMA weights.
+    if train_config.lookahead_steps is not None:
+        all_callbacks.append(Lookahead(train_config.lookahead_steps, steps_per_epoch,
+                                       steps_per_epoch * train_config.epochs))
     all_callbacks.append(checkpoint_callback)
     if run_id is not None:
         all_callbacks.append(MetricsLogger(

@@ -240,8 +240,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"  training   {summary['run_name']}: {summary['epochs_completed']} epochs, best epoch "
                      f"{summary['best_epoch']}, validation accuracy {percent(summary['val_accuracy'])}{state('train')}")
     if "test_accuracy" in summary:
+        tta = [f"{name} {percent(summary[key])}" for key, name in
+               (("flip_tta_accuracy", "flip TTA"), ("tta_accuracy", "flip+translate TTA")) if summary.get(key) is not None]
         lines.append(f"  test       accuracy {percent(summary['test_accuracy'])}, loss {summary['test_loss']:.4f}"
-                     f"{state('evaluate')}")
+                     f"{''.join(', ' + item for item in tta)}{state('evaluate')}")
     if "export_dir" in summary:
         lines.append(f"  export     {summary['export_dir']}{state('export')}")
     if "registered_model_version" in summary:

@@ -95,6 +95,7 @@ def report_markdown(summary: dict[str, Any]) -> str:
         ("Validation accuracy (best epoch)", _percent(summary.get("val_accuracy"))),
         ("Test accuracy", _percent(summary.get("test_accuracy"))),
         ("Test accuracy with flip TTA", _percent(summary.get("flip_tta_accuracy"))),
+        ("Test accuracy with flip + translate TTA", _percent(summary.get("tta_accuracy"))),
         ("Export", summary.get("export_dir")),
         ("Registered version", summary.get("registered_model_version")),
         ("Champion", summary.get("champion")),

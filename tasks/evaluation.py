@@ -20,6 +20,7 @@ class Evaluation(BaseModel):
     test_accuracy: float
     test_loss: float
     flip_tta_accuracy: float | None = None
+    tta_accuracy: float | None = None
     metrics_path: str
     predictions_path: str
     fingerprint: str

@@ -12,6 +12,7 @@ from keras import layers
 from cifar.layers import (
     ChannelPadding,
     FusedBatchNormalization,
+    Gelu,
     LocalResponseNormalization,
     PartialDirac,
     PatchWhitening,
@@ -198,3 +199,30 @@ def test_partial_dirac_is_identity_on_the_first_filters():
     assert np.all(np.abs(kernel[..., 4:]) <= bound) and np.std(kernel[..., 4:]) > bound / 4
     with pytest.raises(ValueError):
         PartialDirac()((3, 3))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_gelu_is_the_exact_gelu_with_its_exact_gradient(training):
+    # Both tails and the middle: erfc keeps Phi(x) accurate for large negative x.
+    values = tf.constant(np.linspace(-9.0, 9.0, 181, dtype=np.float32).reshape(1, 181))
+    layer = Gelu()
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(values)
+        ours = layer(values, training=training)
+        reference = keras.activations.gelu(values, approximate=False)
+    np.testing.assert_allclose(ours.numpy(), reference.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(tape.gradient(ours, values).numpy(), tape.gradient(reference, values).numpy(),
+                               rtol=1e-4, atol=1e-6)
+
+
+def test_gelu_under_mixed_bfloat16_rounds_only_its_output(mixed_bfloat16):
+    values = tf.constant(np.linspace(-4.0, 4.0, 64, dtype=np.float32).reshape(1, 64))
+    layer = Gelu()
+    reference = keras.activations.gelu(values, approximate=False).numpy()
+    for training in (True, False):
+        with tf.GradientTape() as tape:
+            tape.watch(values)
+            outputs = layer(values, training=training)
+        assert outputs.dtype == tf.bfloat16
+        np.testing.assert_allclose(tf.cast(outputs, tf.float32).numpy(), reference, rtol=8e-3, atol=8e-3)
+        assert tape.gradient(outputs, values).dtype == tf.float32
