@@ -104,11 +104,13 @@ def test_lookahead_blends_on_its_schedule_and_ends_on_the_slow_weights():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
     model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
-    inputs, targets = np.random.rand(16, 4).astype("float32"), np.random.rand(16, 3).astype("float32")
+    inputs, targets = np.random.rand(24, 4).astype("float32"), np.random.rand(24, 3).astype("float32")
     history: list[np.ndarray] = []
-    recorder = keras.callbacks.LambdaCallback(on_train_batch_end=lambda *_, **__: history.append(np.asarray(model.weights[0]).copy()))
+    recorder = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda *_, **__: history.append(np.asarray(model.weights[0]).copy()))
     lookahead = Lookahead(every=2, steps_per_epoch=3, total_steps=6, start_fraction=0.0)
     model.fit(inputs, targets, batch_size=4, epochs=2, steps_per_epoch=3, callbacks=[lookahead, recorder], verbose=0)
+    assert int(model.optimizer.iterations) == 6 and len(history) == 6
     # After the last step the weights are the slow copy; a plain SGD run ends elsewhere.
     np.testing.assert_allclose(history[-1], np.asarray(lookahead._slow[0]), rtol=1e-6)
     keras.utils.set_random_seed(0)
