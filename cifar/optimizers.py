@@ -62,16 +62,6 @@ class GroupedSGD(keras.optimizers.SGD):
         self._multipliers = [self._first_match(self.learning_rate_multipliers, v.path) or 1.0 for v in variables]
         self._stop_steps = [self._first_match(self.stop_after_steps, v.path) for v in variables]
 
-    def grouping(self, variables) -> dict[str, tuple[float, int | None]]:
-        """`path -> (multiplier, stop step)` of the variables that are not plain SGD (for logs and tests)."""
-        table = {}
-        for variable in variables:
-            multiplier = self._first_match(self.learning_rate_multipliers, variable.path) or 1.0
-            stop = self._first_match(self.stop_after_steps, variable.path)
-            if multiplier != 1.0 or stop is not None:
-                table[variable.path] = (multiplier, stop)
-        return table
-
     def update_step(self, gradient, variable, learning_rate):
         index = self._get_variable_index(variable)
         multiplier, stop = self._multipliers[index], self._stop_steps[index]

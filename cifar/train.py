@@ -9,7 +9,10 @@ batch-norm gamma/beta): `weight_decay / 2 * sum(w**2)`, whose gradient is `weigh
 exactly the estimator's `weight_decay * tf.nn.l2_loss(w)` and PyTorch's SGD `weight_decay`.
 We chose the loss penalty over the optimizer's decoupled `weight_decay` because decoupled decay
 bypasses momentum (its effective strength differs by ~1/(1 - momentum)), so the estimator's and
-the ResNet-9 recipes' published coefficients would not carry over.
+the ResNet-9 recipes' published coefficients would not carry over. With `decay_biases` (the fast
+recipes) every parameter is decayed, biases by `weight_decay / bias_learning_rate_multiplier`, and
+`cifar.optimizers.GroupedSGD` gives batch-norm biases their own rate and stops the whitening bias
+after `whitening_bias_epochs`; `Lookahead` (cifar.callbacks) replaces EMA there.
 
 Run directory `WORKDIR/runs/<run_name>/`: `checkpoints/` (contract in `cifar.checkpoints`),
 `history.json` (one value per epoch and metric), `state.json` (the MLflow run id, the status and,
