@@ -10,7 +10,7 @@ exactly the estimator's `weight_decay * tf.nn.l2_loss(w)` and PyTorch's SGD `wei
 We chose the loss penalty over the optimizer's decoupled `weight_decay` because decoupled decay
 bypasses momentum (its effective strength differs by ~1/(1 - momentum)), so the estimator's and
 the ResNet-9 recipes' published coefficients would not carry over. With `decay_biases` (the fast
-recipes) every parameter is decayed, biases by `weight_decay / bias_learning_rate_multiplier`, and
+recipes) every parameter is decayed, batch-norm biases by `weight_decay / bias_learning_rate_multiplier`, and
 `cifar.optimizers.GroupedSGD` gives batch-norm biases their own rate and stops the whitening bias
 after `whitening_bias_epochs`; `Lookahead` (cifar.callbacks) replaces EMA there.
 
