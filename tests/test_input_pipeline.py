@@ -123,6 +123,14 @@ def test_train_dataset_shards_by_element_across_workers(data_dir):
     assert policy == tf.data.experimental.AutoShardPolicy.DATA
 
 
+def test_training_runs_without_the_autotuner_whose_thread_stalls_teardown(data_dir):
+    # Destroying an autotuned iterator waits out the autotuner's sleep (up to 60 s after fit).
+    train = make_train_dataset(data_dir, splits=["train"], batch_size=32, image_size=32, seed=0)
+    assert train.options().autotune.enabled is False
+    evaluation = make_eval_dataset(data_dir, splits=["test"], batch_size=32, image_size=32)
+    assert evaluation.options().autotune.enabled is not False
+
+
 def test_empty_split_is_a_clear_error(data_dir):
     with pytest.raises((ValueError, KeyError)):
         make_eval_dataset(data_dir, splits=["missing"], batch_size=10, image_size=32)
