@@ -117,17 +117,26 @@ def translated(images: np.ndarray, rows: int, columns: int) -> np.ndarray:
     return padded[:, 1 - rows : 1 - rows + height, 1 - columns : 1 - columns + width, :]
 
 
-def tta_logits(model, images: np.ndarray, batch_size: int) -> np.ndarray:
+def mirrored_logits(model, images: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(logits of the images, logits of their mirror images)."""
+    return predict_logits(model, images, batch_size), predict_logits(model, images, batch_size, flip=True)
+
+
+def tta_logits(
+    model, images: np.ndarray, batch_size: int, mirrored: tuple[np.ndarray, np.ndarray] | None = None
+) -> np.ndarray:
     """airbench94's test-time augmentation (level 2) as logits: flips and 1-pixel translations.
 
     Half the weight is the mean of the image and its mirror; the other half is the same for the
-    image shifted one pixel down-right and one pixel up-left (reflect-padded), averaged.
+    image shifted one pixel down-right and one pixel up-left (reflect-padded), averaged. Pass the
+    unshifted views' `mirrored_logits` when they are already computed.
     """
-    def mirrored(batch: np.ndarray) -> np.ndarray:
-        return 0.5 * (predict_logits(model, batch, batch_size) + predict_logits(model, batch, batch_size, flip=True))
+    def mirror_mean(batch: np.ndarray) -> np.ndarray:
+        return 0.5 * sum(mirrored_logits(model, batch, batch_size))
 
-    shifted = 0.5 * (mirrored(translated(images, 1, 1)) + mirrored(translated(images, -1, -1)))
-    return 0.5 * mirrored(images) + 0.5 * shifted
+    unshifted = 0.5 * sum(mirrored) if mirrored is not None else mirror_mean(images)
+    shifted = 0.5 * (mirror_mean(translated(images, 1, 1)) + mirror_mean(translated(images, -1, -1)))
+    return 0.5 * unshifted + 0.5 * shifted
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -206,16 +215,18 @@ def evaluate_checkpoint(
     """Scores one checkpoint's evaluation weights: probabilities, accuracy, loss and (optionally) TTA."""
     model = load_eval_model(checkpoint_dir, entry)
     cropped = center_crop(images, model_input_size(model))
-    probabilities = softmax(predict_logits(model, cropped, batch_size))
+    # The mirror images' logits serve both TTA scores, so they are computed once.
+    views = mirrored_logits(model, cropped, batch_size) if flip_tta or translate_tta else None
+    logits = views[0] if views is not None else predict_logits(model, cropped, batch_size)
+    probabilities = softmax(logits)
     outcome: dict[str, Any] = {"probabilities": probabilities, **score(probabilities, labels)}
     outcome["flip_probabilities"] = None
     if flip_tta:
         # Test-time augmentation: average the softmax of each image and its mirror image.
-        flipped = softmax(predict_logits(model, cropped, batch_size, flip=True))
-        outcome["flip_probabilities"] = (probabilities + flipped) / 2
+        outcome["flip_probabilities"] = (probabilities + softmax(views[1])) / 2
         outcome["flip_tta_accuracy"] = score(outcome["flip_probabilities"], labels)["accuracy"]
     if translate_tta:
-        outcome["tta_accuracy"] = score(softmax(tta_logits(model, cropped, batch_size)), labels)["accuracy"]
+        outcome["tta_accuracy"] = score(softmax(tta_logits(model, cropped, batch_size, views)), labels)["accuracy"]
     return outcome
 
 

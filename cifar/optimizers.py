@@ -38,7 +38,8 @@ class GroupedSGD(keras.optimizers.SGD):
         **kwargs,
     ):
         super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, **kwargs)
-        self.learning_rate_multipliers = {str(key): float(value) for key, value in (learning_rate_multipliers or {}).items()}
+        multipliers = learning_rate_multipliers or {}
+        self.learning_rate_multipliers = {str(key): float(value) for key, value in multipliers.items()}
         self.stop_after_steps = {str(key): int(value) for key, value in (stop_after_steps or {}).items()}
         for pattern, multiplier in self.learning_rate_multipliers.items():
             re.compile(pattern)
