@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
 from cifar.models import build_model, input_size  # noqa: E402
-from cifar.performance import cpu_supports_bf16, onednn_enabled  # noqa: E402
+from cifar.performance import cpu_bf16_flags, onednn_enabled  # noqa: E402
 
 SECTION = "## Training throughput"
 
@@ -57,6 +57,8 @@ BF16_ONLY = Variant("Keras BN, bf16", "mixed_bfloat16", False)
 OURS_XLA = Variant("ours + XLA (jit_compile)", "mixed_bfloat16", True, jit_compile=True)
 # The fast net's GELU: Keras's bfloat16 GELU next to ours (both with fused BN and bf16).
 KERAS_GELU = Variant("fused BN + bf16, Keras GELU", "mixed_bfloat16", True, fused_gelu=False)
+# The fast net's fused layers without bf16: what bfloat16 adds on this CPU (much with AMX, less without).
+FUSED_FP32 = Variant("fused BN + fused GELU, fp32", "float32", True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,9 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--xla", action="store_true", help="Also time ours with jit_compile=True.")
     parser.add_argument("--write-docs", action="store_true", help=f"Write the table into {common.DOCS_PATH}.")
     parser.add_argument("--note", default="", help="A note on the machine's state (e.g. shared, loaded).")
+    parser.add_argument("--section", default=SECTION,
+                        help=f"The docs section to (re)write, e.g. one per host (default {SECTION!r}).")
     args = parser.parse_args(argv)
     if min(args.batch_size, args.steps, args.rounds) < 1 or args.warmup < 0 or args.steps % args.rounds:
         parser.error("batch size, steps and rounds must be >= 1, warmup >= 0, and rounds must divide steps")
+    if not args.section.startswith("## "):
+        parser.error(f"--section must be a '## ' heading, got {args.section!r}")
     return args
 
 
@@ -80,7 +86,7 @@ def variants_for(model_name: str, breakdown: bool, xla: bool) -> list[Variant]:
     has_batch_norm = model_name != "tutorial" and model_name != "tiny"
     variants = [STOCK, FUSED_ONLY, BF16_ONLY, OURS] if breakdown and has_batch_norm else [STOCK, OURS]
     if breakdown and model_name == "fast":
-        variants = [STOCK, KERAS_GELU, OURS]
+        variants = [STOCK, FUSED_FP32, KERAS_GELU, OURS]
     return variants + [OURS_XLA] if xla else variants
 
 
@@ -149,8 +155,8 @@ def measure(model_name: str, args: argparse.Namespace) -> list[tuple[Variant, fl
 def machine_description(load_at_start: str) -> str:
     """The shared machine line plus whether the CPU has bfloat16 math and oneDNN is on."""
     return (
-        f"{common.machine_description(load_at_start)}; bfloat16 instructions (AVX512-BF16/AMX): "
-        f"{'yes' if cpu_supports_bf16() else 'no'}, oneDNN: {'on' if onednn_enabled() else 'off'}"
+        f"{common.machine_description(load_at_start)}; bfloat16 instructions: "
+        f"{', '.join(cpu_bf16_flags()) or 'none'}, oneDNN: {'on' if onednn_enabled() else 'off'}"
     )
 
 
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
             f"Machine: {machine_description(load_at_start)}{note}\n\n"
             f"{table}\n"
         )
-        common.write_section(SECTION, body)
+        common.write_section(args.section, body)
         print(f"wrote {common.DOCS_PATH}")
 
 

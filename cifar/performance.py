@@ -30,18 +30,26 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of CPUs with
 BF16_GPU_COMPUTE_CAPABILITY = (8, 0)  # Ampere and newer have bfloat16 tensor cores.
 
 
-def cpu_supports_bf16(cpuinfo_path: str | Path = "/proc/cpuinfo") -> bool:
-    """Whether the CPU has native bfloat16 instructions (AVX512-BF16 or AMX-BF16)."""
+def cpu_bf16_flags(cpuinfo_path: str | Path = "/proc/cpuinfo") -> tuple[str, ...]:
+    """The CPU's native bfloat16 instruction sets ("amx_bf16", "avx512_bf16"), sorted; () if none or unknown."""
     try:
         text = Path(cpuinfo_path).read_text()
     except OSError:
-        return False  # Not Linux: no cheap way to tell, so assume the safe answer.
+        return ()  # Not Linux: no cheap way to tell, so assume the safe answer.
     for line in text.splitlines():
         if line.startswith("flags"):
             flags = set(line.partition(":")[2].split())
-            if flags.intersection(BF16_CPU_FLAGS):
-                return True
-    return False
+            return tuple(sorted(flags.intersection(BF16_CPU_FLAGS)))
+    return ()
+
+
+def cpu_supports_bf16(cpuinfo_path: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether the CPU has native bfloat16 instructions (AVX512-BF16 or AMX-BF16).
+
+    Both make mixed_bfloat16 the faster policy: AMX tiles by far (the fast net 3.1x stock float32 on
+    a Xeon), AVX512-BF16 dot products less so (1.5x on an AMD EPYC; see docs/BENCHMARKS.md).
+    """
+    return bool(cpu_bf16_flags(cpuinfo_path))
 
 
 def gpu_compute_capabilities(num_gpus: int) -> list[tuple[int, int]]:
@@ -137,7 +145,7 @@ def configure_performance(
         "jit_compile": str(jit_compile).lower(),
         "fused_batchnorm": str(train.fused_batchnorm).lower(),
         "fused_gelu": str(train.fused_gelu).lower(),
-        "cpu_bf16": str(cpu_supports_bf16()).lower(),
+        "cpu_bf16": ",".join(cpu_bf16_flags()) or "none",
         "onednn": "on" if onednn else "off",
         "intra_op_threads": threads_setting(tf.config.threading.get_intra_op_parallelism_threads()),
         "inter_op_threads": threads_setting(tf.config.threading.get_inter_op_parallelism_threads()),

@@ -49,6 +49,14 @@ def test_cpu_supports_bf16_reads_cpuinfo_flags(tmp_path, extra_flags, expected):
     assert performance.cpu_supports_bf16(write_cpuinfo(tmp_path, extra_flags)) is expected
 
 
+@pytest.mark.parametrize(
+    "extra_flags,expected",
+    [("avx512_bf16 amx_tile amx_bf16", ("amx_bf16", "avx512_bf16")), ("avx512_bf16", ("avx512_bf16",)), ("", ())],
+)
+def test_cpu_bf16_flags_names_each_instruction_set(tmp_path, extra_flags, expected):
+    assert performance.cpu_bf16_flags(write_cpuinfo(tmp_path, extra_flags)) == expected
+
+
 def test_cpu_supports_bf16_is_false_without_cpuinfo(tmp_path):
     assert performance.cpu_supports_bf16(tmp_path / "missing") is False
 
