@@ -221,8 +221,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # to this pipeline's conventions (mean loss, learning rate quoted at batch 128, L2 through momentum):
     # airbench's lr 11.5 and weight decay 0.0153 "per 1024 examples" with momentum 0.85 are a peak
     # rate of 1.5 at batch 1024 (0.1875 at 128) and an L2 coefficient of 0.0153 / 7.667 / 1.5 = 1.33e-3.
-    # airbench trains 9.9 epochs (94% on a GPU); on 2 CPU cores 16 epochs (48 steps of 1,024) fit in
-    # ~12.5 minutes and gain ~0.8 points over 10, so the preset trains 16, warming up over 23% of them.
+    # airbench trains 9.9 epochs (94% on a GPU); on 2 Xeon cores with AMX 16 epochs (48 steps of 1,024)
+    # fit in ~12 minutes (~16.5 on 2 AMD EPYC cores without AMX) and gain ~0.8 points over 10, so the
+    # preset trains 16, warming up over 23% of them.
     "fast": {
         "data": {"validation_size": 0},
         "train": {"model": "fast", "epochs": 16, "batch_size": 1024, "schedule": "onecycle",
