@@ -12,9 +12,9 @@ truck) and the JPEG images exactly the animal classes, which are the harder ones
    class makeup of each part.
 2. Controlled (`--checkpoint`, a `.keras` checkpoint): the same model on the original-pixel test
    images (each original-only part above) as they are and after a quality-75 JPEG round trip
-   through Pillow. That round trip is the
-   archive's degradation: it changes the mean pixel by 5.8/255, the archive's figure, and re-encoding
-   the archive's own JPEG images changes them by only ~0.1/255.
+   through Pillow. That round trip is the archive's degradation: it changes the mean pixel by
+   5.8/255, the archive's figure, and re-encoding the archive's own JPEG images changes them by
+   only ~0.1/255.
 
     .venv/bin/python bench/jpeg_split.py /tmp/fast*/runs/*/evaluation/predictions.parquet \
         --checkpoint /tmp/fast0/runs/*/checkpoints/epoch-0016.keras
