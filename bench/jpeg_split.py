@@ -80,23 +80,29 @@ def read_predictions(path: str) -> tuple[np.ndarray, list[np.ndarray]]:
     return labels, views
 
 
-def split_table(predictions: list[str], exact: np.ndarray) -> tuple[str, dict[str, np.ndarray]]:
-    """Markdown rows of accuracy per subset (single view / flip TTA) for every predictions file, and the subsets."""
-    labels, _ = read_predictions(predictions[0])
-    if len(labels) != len(exact):
-        raise ValueError(f"{predictions[0]} has {len(labels)} rows, the provenance mask {len(exact)}")
-    subsets = test_subsets(exact, labels)
+def split_table(predictions: dict[str, list[np.ndarray]], subsets: dict[str, np.ndarray]) -> str:
+    """Markdown rows of accuracy per subset (single view / flip TTA) for every predictions file's views."""
     lines = ["| predictions | all | " + " | ".join(subsets) + " |", "|---|---:|" + "---:|" * len(subsets)]
-    for path in predictions:
-        file_labels, views = read_predictions(path)
-        if not np.array_equal(file_labels, labels):
-            raise ValueError(f"{path} does not hold the same test images in the same order as {predictions[0]}")
-        masks = [np.ones(len(labels), dtype=bool), *subsets.values()]
+    for path, views in predictions.items():
+        masks = [np.ones(len(views[0]), dtype=bool), *subsets.values()]
         cells = [" / ".join(f"{100 * view[mask].mean():.2f}" for view in views) + " %" for mask in masks]
         lines.append(f"| {path} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Cells: single view / flip TTA (where the predictions file has it).")
-    return "\n".join(lines), subsets
+    return "\n".join(lines)
+
+
+def read_all_predictions(paths: list[str], exact: np.ndarray) -> tuple[np.ndarray, dict[str, list[np.ndarray]]]:
+    """The shared test labels and each file's views, checking every file holds the same test images in order."""
+    labels, views = read_predictions(paths[0])
+    if len(labels) != len(exact):
+        raise ValueError(f"{paths[0]} has {len(labels)} rows, the provenance mask {len(exact)}")
+    all_views = {paths[0]: views}
+    for path in paths[1:]:
+        file_labels, all_views[path] = read_predictions(path)
+        if not np.array_equal(file_labels, labels):
+            raise ValueError(f"{path} does not hold the same test images in the same order as {paths[0]}")
+    return labels, all_views
 
 
 def jpeg_round_trip(images: np.ndarray, quality: int = JPEG_QUALITY) -> np.ndarray:
@@ -118,11 +124,12 @@ def controlled_table(checkpoints: list[str], images: np.ndarray, labels: np.ndar
     import cifar.layers  # noqa: F401  (registers the custom layers the checkpoints name)
     import cifar.optimizers  # noqa: F401
 
-    subsets = test_subsets(exact, labels)
-    parts = {name.partition(" (")[0]: mask for name, mask in subsets.items() if not (mask & ~exact).any()}
-    degraded = images.copy()
-    degraded[exact] = jpeg_round_trip(images[exact])
-    change = np.abs(degraded[exact].astype(np.int16) - images[exact]).mean()
+    # Only the original-pixel images are scored, so every part is a mask over them.
+    parts = {name.partition(" (")[0]: mask[exact] for name, mask in test_subsets(exact, labels).items()
+             if not (mask & ~exact).any()}
+    originals, original_labels = images[exact], labels[exact]
+    degraded = jpeg_round_trip(originals)
+    change = np.abs(degraded.astype(np.int16) - originals).mean()
     rejpeg = np.abs(jpeg_round_trip(images[~exact]).astype(np.int16) - images[~exact]).mean()
     lines = [
         f"JPEG q{JPEG_QUALITY} round trip: mean absolute change {change:.2f}/255 on the original-pixel images, "
@@ -133,8 +140,8 @@ def controlled_table(checkpoints: list[str], images: np.ndarray, labels: np.ndar
     ]
     for path in checkpoints:
         model = keras.models.load_model(path, compile=False)
-        original = model.predict(images, batch_size=500, verbose=0).argmax(axis=1) == labels
-        jpeg = model.predict(degraded, batch_size=500, verbose=0).argmax(axis=1) == labels
+        original = model.predict(originals, batch_size=500, verbose=0).argmax(axis=1) == original_labels
+        jpeg = model.predict(degraded, batch_size=500, verbose=0).argmax(axis=1) == original_labels
         cells = []
         for mask in parts.values():
             before, after = 100 * original[mask].mean(), 100 * jpeg[mask].mean()
@@ -155,9 +162,10 @@ def main(argv: list[str] | None = None) -> None:
     with np.load(args.provenance, allow_pickle=False) as masks:
         exact = masks["test_exact"].astype(bool)
     if args.predictions:
-        table, subsets = split_table(args.predictions, exact)
-        print(table, end="\n\n")
-        print(class_makeup(read_predictions(args.predictions[0])[0], subsets), end="\n\n")
+        labels, views = read_all_predictions(args.predictions, exact)
+        subsets = test_subsets(exact, labels)
+        print(split_table(views, subsets), end="\n\n")
+        print(class_makeup(labels, subsets), end="\n\n")
     if args.checkpoint:
         from cifar.data.archive import read_archive
 
