@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,7 +18,17 @@ from typing import Callable
 import keras
 import numpy as np
 
-from cifar.checkpoints import CheckpointEntry, CheckpointIndex, checkpoint_file_names, write_index
+from cifar import compat
+from cifar.checkpoints import (
+    CheckpointEntry,
+    CheckpointIndex,
+    append_epoch,
+    checkpoint_file_names,
+    remove_unlisted,
+    save_file,
+    updated_index,
+    write_index,
+)
 from cifar.io import atomic_write_json
 
 NAN_CHECK_EVERY = 20  # Batches between divergence checks inside an epoch (each check syncs the device).
@@ -37,7 +46,7 @@ def float_logs(logs: dict | None) -> dict[str, float]:
 def current_learning_rate(optimizer: keras.optimizers.Optimizer) -> float:
     """The learning rate of the optimizer's last step (a schedule evaluated at that step)."""
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    schedule = getattr(optimizer, "_learning_rate", None)
+    schedule = compat.learning_rate_schedule(optimizer)
     if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
         last_step = max(0, int(np.asarray(optimizer.iterations)) - 1)
         return float(np.asarray(schedule(last_step)))
@@ -171,11 +180,11 @@ def ema_weights(model: keras.Model):
     """Temporarily puts the optimizer's EMA weights into the model (no-op without EMA)."""
     optimizer = model.optimizer
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # Unwrap a LossScaleOptimizer.
-    averages = getattr(optimizer, "_model_variables_moving_average", None)
-    if not getattr(optimizer, "use_ema", False) or not averages:
+    found = compat.ema_variables(optimizer)
+    if found is None:
         yield
         return
-    variables = optimizer._trainable_variables
+    variables, averages = found
     raw = [np.asarray(variable.numpy()) for variable in variables]
     for variable, average in zip(variables, averages):
         variable.assign(average.numpy())
@@ -184,11 +193,6 @@ def ema_weights(model: keras.Model):
     finally:
         for variable, value in zip(variables, raw):
             variable.assign(value)
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
 
 
 class EpochCheckpoint(keras.callbacks.Callback):
@@ -221,16 +225,15 @@ class EpochCheckpoint(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         # Half-written files of a killed process are never listed in the index: remove them.
-        for path in self.checkpoint_dir.glob(".tmp-*"):
-            path.unlink(missing_ok=True)
+        remove_unlisted(self.checkpoint_dir, self.index)
 
     def on_epoch_end(self, epoch, logs=None):
         completed = epoch + 1  # Keras counts from 0; the contract counts completed epochs.
         metrics = float_logs(logs)
         model_name, weights_name = checkpoint_file_names(completed)
-        self._save(model_name, lambda path: self.model.save(path))
+        save_file(self.checkpoint_dir / model_name, self.model.save)
         with ema_weights(self.model):
-            self._save(weights_name, lambda path: self.model.save_weights(path))
+            save_file(self.checkpoint_dir / weights_name, self.model.save_weights)
         # Every worker keeps the records in memory; only the chief writes them.
         append_epoch(self.history, completed, metrics)
         entry = CheckpointEntry(epoch=completed, model_path=model_name, eval_weights_path=weights_name, metrics=metrics)
@@ -239,50 +242,7 @@ class EpochCheckpoint(keras.callbacks.Callback):
             if self.history_path is not None:
                 atomic_write_json(self.history_path, self.history)
             write_index(self.checkpoint_dir, self.index)
-        self._prune()
-
-    def _save(self, name: str, save: Callable[[Path], None]) -> None:
-        # The temp name keeps the suffix Keras dispatches on (.keras / .weights.h5).
-        temp = self.checkpoint_dir / f".tmp-{name}"
-        save(temp)
-        _fsync(temp)
-        os.replace(temp, self.checkpoint_dir / name)
-
-    def _prune(self) -> None:
-        kept = {name for entry in self.index.entries for name in (entry.model_path, entry.eval_weights_path)}
-        for path in self.checkpoint_dir.glob("epoch-*"):
-            if path.name not in kept:
-                path.unlink(missing_ok=True)
-
-
-def append_epoch(history: dict[str, list], epoch: int, metrics: dict[str, float]) -> None:
-    """Adds one epoch to a column-per-metric history, keeping every column one value per epoch.
-
-    A metric missing from this epoch gets None; a metric new in this epoch gets None for the
-    earlier epochs, so position i of every list always belongs to `history["epoch"][i]`.
-    """
-    previous = len(history.get("epoch", []))
-    history.setdefault("epoch", []).append(epoch)
-    for key, value in metrics.items():
-        history.setdefault(key, [None] * previous).append(value)
-    for key, values in history.items():
-        if len(values) < previous + 1:
-            values.append(None)
-
-
-def updated_index(index: CheckpointIndex, entry: CheckpointEntry, keep: int) -> CheckpointIndex:
-    """The index with `entry` added (replacing a same-epoch entry), trimmed to the last `keep` + best.
-
-    Best is the highest `val_accuracy` (the earliest on ties); without validation, the latest.
-    """
-    entries = [old for old in index.entries if old.epoch < entry.epoch] + [entry]
-    if "val_accuracy" in entry.metrics:
-        best = max(entries, key=lambda item: (item.metrics.get("val_accuracy", -math.inf), -item.epoch))
-    else:
-        best = entry
-    recent = sorted(entries, key=lambda item: item.epoch)[-keep:]
-    kept = sorted({item.epoch: item for item in [*recent, best]}.values(), key=lambda item: item.epoch)
-    return CheckpointIndex(entries=kept, best_epoch=best.epoch)
+        remove_unlisted(self.checkpoint_dir, self.index)
 
 
 class MetricsLogger(keras.callbacks.Callback):

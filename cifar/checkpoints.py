@@ -1,24 +1,40 @@
-"""The checkpoint directory contract between training (writer) and evaluation/export (readers).
+"""The run directory contract between training (writer) and evaluation/export (readers).
 
-    CHECKPOINT_DIR/
-      epoch-0007.keras             full model + optimizer state after epoch 7 (what resume loads)
-      epoch-0007.eval.weights.h5   the weights to evaluate: the EMA weights when EMA is on, else the same
-      index.json                   every kept checkpoint with its validation metrics, and the best one
+    RUN_DIR/
+      state.json                     the stage key, the MLflow run id, the status and, once complete, the result
+      history.json                   one value per completed epoch and metric
+      training_curves.png
+      checkpoints/
+        epoch-0007.keras             full model + optimizer state after epoch 7 (what resume loads)
+        epoch-0007.eval.weights.h5   the weights to evaluate: the EMA weights when EMA is on, else the same
+        index.json                   every kept checkpoint with its validation metrics, and the best one
 
-Training keeps the last K epochs plus the best by validation accuracy (never chosen on test).
-The index is rewritten atomically after each epoch's files are in place, so a reader never sees
-an entry whose files are missing.
+Each epoch, both files are written under a temp name (`.tmp-*`) and renamed into place, then
+history.json, then index.json: the commit point, so an epoch counts once the index lists it and
+a reader never sees an entry whose files are missing. Training keeps the last K epochs plus the
+best by validation accuracy (never chosen on test). A run is reusable once state.json says
+`completed` under the same key.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import shutil
+import time
 from pathlib import Path
+from typing import Callable
 
 from pydantic import BaseModel, ConfigDict
 
-from cifar.io import atomic_write_json, read_json
+from cifar.io import atomic_write_json, file_digest, read_json
+from cifar.results import TrainResult
 
 INDEX_NAME = "index.json"
+STATE_NAME = "state.json"
+HISTORY_NAME = "history.json"
+PLOT_NAME = "training_curves.png"
+TEMP_PREFIX = ".tmp-"
 
 
 class CheckpointEntry(BaseModel):
@@ -64,6 +80,137 @@ def load_index(checkpoint_dir: str | Path) -> CheckpointIndex:
 
 def write_index(checkpoint_dir: str | Path, index: CheckpointIndex) -> Path:
     return atomic_write_json(Path(checkpoint_dir) / INDEX_NAME, index.model_dump())
+
+
+def index_digest(checkpoint_dir: str | Path) -> str:
+    """The SHA-256 of the index: which checkpoints exist and what they scored (what evaluation reads).
+
+    "none" when there is no index yet (evaluating then fails with a clear error).
+    """
+    path = Path(checkpoint_dir) / INDEX_NAME
+    return file_digest(path) if path.is_file() else "none"
+
+
+def updated_index(index: CheckpointIndex, entry: CheckpointEntry, keep: int) -> CheckpointIndex:
+    """The index with `entry` added (replacing a same-epoch entry), trimmed to the last `keep` + best.
+
+    Best is the highest `val_accuracy` (the earliest on ties); without validation, the latest.
+    """
+    entries = [old for old in index.entries if old.epoch < entry.epoch] + [entry]
+    if "val_accuracy" in entry.metrics:
+        best = max(entries, key=lambda item: (item.metrics.get("val_accuracy", -math.inf), -item.epoch))
+    else:
+        best = entry
+    recent = sorted(entries, key=lambda item: item.epoch)[-keep:]
+    kept = sorted({item.epoch: item for item in [*recent, best]}.values(), key=lambda item: item.epoch)
+    return CheckpointIndex(entries=kept, best_epoch=best.epoch)
+
+
+def save_file(path: Path, save: Callable[[Path], None]) -> None:
+    """Lets `save` write a temp file beside `path` (same suffix, which Keras dispatches on), then renames it."""
+    temp = path.with_name(f"{TEMP_PREFIX}{path.name}")
+    save(temp)
+    with open(temp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(temp, path)
+
+
+def remove_unlisted(checkpoint_dir: Path, index: CheckpointIndex) -> None:
+    """Deletes half-written temp files and checkpoints the index no longer lists."""
+    kept = {name for entry in index.entries for name in (entry.model_path, entry.eval_weights_path)}
+    for path in [*checkpoint_dir.glob(f"{TEMP_PREFIX}*"), *checkpoint_dir.glob("epoch-*")]:
+        if path.name not in kept:
+            path.unlink(missing_ok=True)
+
+
+# The history: one column per metric, one value per completed epoch.
+
+
+def append_epoch(history: dict[str, list], epoch: int, metrics: dict[str, float]) -> None:
+    """Adds one epoch to a column-per-metric history, keeping every column one value per epoch.
+
+    A metric missing from this epoch gets None; a metric new in this epoch gets None for the
+    earlier epochs, so position i of every list always belongs to `history["epoch"][i]`.
+    """
+    previous = len(history.get("epoch", []))
+    history.setdefault("epoch", []).append(epoch)
+    for key, value in metrics.items():
+        history.setdefault(key, [None] * previous).append(value)
+    for values in history.values():
+        if len(values) < previous + 1:
+            values.append(None)
+
+
+def history_rows(history: dict[str, list]) -> list[tuple[int, dict[str, float]]]:
+    """(epoch, metrics) per recorded epoch, leaving out metrics missing in that epoch."""
+    rows = []
+    for position, epoch in enumerate(history.get("epoch", [])):
+        metrics = {key: values[position] for key, values in history.items()
+                   if key != "epoch" and position < len(values) and values[position] is not None}
+        rows.append((int(epoch), metrics))
+    return rows
+
+
+class RunDirectory:
+    """One training run's folder: its files, and its bookkeeping in state.json."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.name = self.path.name
+        self.checkpoint_dir = self.path / "checkpoints"
+        self.state_path = self.path / STATE_NAME
+        self.history_path = self.path / HISTORY_NAME
+        self.plot_path = self.path / PLOT_NAME
+
+    def read_state(self) -> dict:
+        return read_json(self.state_path) if self.state_path.is_file() else {}
+
+    def write_state(self, key: str, mlflow_run_id: str | None, tracking_uri: str, status: str,
+                    result: TrainResult | None = None) -> None:
+        state = {"run_name": self.name, "key": key, "mlflow_run_id": mlflow_run_id, "tracking_uri": tracking_uri,
+                 "status": status}
+        if result is not None:
+            state["result"] = result.model_dump(exclude={"reused"})
+        atomic_write_json(self.state_path, state)
+
+    def completed(self, key: str) -> TrainResult | None:
+        """The stored result of a finished run made under `key` whose checkpoints are all in place, else None."""
+        state = self.read_state()
+        if state.get("status") != "completed" or state.get("key") != key or "result" not in state:
+            return None
+        index = load_index(self.checkpoint_dir)
+        files = [self.checkpoint_dir / name for entry in index.entries for name in (entry.model_path,
+                                                                                     entry.eval_weights_path)]
+        if not files or not all(path.is_file() for path in files):
+            return None
+        return TrainResult.model_validate({**state["result"], "reused": True})
+
+    def check_key(self, key: str) -> None:
+        """Refuses to continue a run made under another key (another config or code in a named folder)."""
+        recorded = self.read_state().get("key", key)
+        if recorded != key:
+            raise ValueError(f"{self.path} holds a training run of another configuration or code version "
+                             f"(key {recorded}, this run's is {key}): choose another train.run_name, or "
+                             "pass --fresh to discard it")
+
+    def read_history(self, epochs: int) -> dict[str, list]:
+        """The recorded history of the first `epochs` epochs (a kill may have left one more)."""
+        if not self.history_path.is_file():
+            return {}
+        history = read_json(self.history_path)
+        keep = [position for position, epoch in enumerate(history.get("epoch", [])) if epoch <= epochs]
+        if not keep:
+            return {}
+        return {key: [values[position] for position in keep if position < len(values)]
+                for key, values in history.items()}
+
+    def discard(self) -> None:
+        """Moves the folder aside, then deletes it (a crash midway never leaves a half-deleted run in place)."""
+        if not self.path.exists():
+            return
+        aside = self.path.with_name(f".{self.name}.discarded-{time.time_ns()}")
+        self.path.rename(aside)
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def select_for_evaluation(index: CheckpointIndex, which: str) -> list[CheckpointEntry]:

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cifar.io import normalise_digest
+
 OFFICIAL_PYTHON_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 OFFICIAL_PYTHON_MD5 = "c58f30108f718f92721af3b95e74349a"
 OFFICIAL_BINARY_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-binary.tar.gz"
@@ -25,8 +27,25 @@ OFFICIAL_MD5_BY_URL = {OFFICIAL_PYTHON_URL: OFFICIAL_PYTHON_MD5, OFFICIAL_BINARY
 TRAIN_EXAMPLES = 50_000  # Images in the official training batches.
 TEST_EXAMPLES = 10_000  # Images in the official test batch.
 
+MODEL_FAMILIES = ("tutorial", "resnet", "fast", "tiny")  # `resnet` is spelled resnet{6n+2}: resnet20, resnet56.
+MAX_RESNET_DEPTH = 1202  # The deepest CIFAR ResNet of the ResNet paper (19.4 M parameters).
+
 STAGES = ("data", "train", "evaluate", "export")
 Stage = Literal["data", "train", "evaluate", "export"]
+
+
+def parse_model_name(name: str) -> tuple[str, int | None]:
+    """(family, ResNet depth or None) of a model name; ValueError for a name no builder has."""
+    match = re.fullmatch(r"resnet(\d{1,5})", name)
+    if match:
+        depth = int(match.group(1))
+        if depth < 8 or (depth - 2) % 6 or depth > MAX_RESNET_DEPTH:
+            raise ValueError(f"ResNet depth must be 6n+2 between 8 and {MAX_RESNET_DEPTH} "
+                             f"(20, 32, 44, 56, 110, ...), got {name!r}")
+        return "resnet", depth
+    if name not in MODEL_FAMILIES or name == "resnet":
+        raise ValueError(f"unknown model {name!r}: expected tutorial, fast, tiny or resnet{{6n+2}}")
+    return name, None
 
 
 class Section(BaseModel):
@@ -51,13 +70,7 @@ class DataConfig(Section):
     @field_validator("sha256", "md5")
     @classmethod
     def _hex_digest(cls, value: str | None, info) -> str | None:
-        if value is None:
-            return None
-        value = value.strip().lower()
-        length = 64 if info.field_name == "sha256" else 32
-        if not re.fullmatch(rf"[0-9a-f]{{{length}}}", value):
-            raise ValueError(f"{info.field_name} must be {length} hex characters, got {value!r}")
-        return value
+        return normalise_digest(info.field_name, value)
 
     def expected_md5(self) -> str | None:
         """The MD5 to check: the user's, else the official one when the source is an official URL."""
@@ -121,14 +134,7 @@ class TrainConfig(Section):
     @field_validator("model")
     @classmethod
     def _known_model(cls, value: str) -> str:
-        match = re.fullmatch(r"resnet(\d+)", value)
-        if match:
-            depth = int(match.group(1))
-            if depth < 8 or (depth - 2) % 6:
-                raise ValueError(f"ResNet depth must be 6n+2 (20, 32, 44, 56, 110, ...), got {depth}")
-            return value
-        if value not in {"tutorial", "fast", "tiny"}:
-            raise ValueError(f"unknown model {value!r}: expected tutorial, fast, tiny or resnet{{6n+2}}")
+        parse_model_name(value)
         return value
 
     @field_validator("gpus")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
+from cifar import compat
 from cifar.config import TrainConfig
 
 
@@ -130,42 +131,11 @@ def _restrict_visible_gpus(gpu_ids: tuple[int, ...]) -> None:
         pass
 
 
-def _patch_keras_multi_worker_reduce() -> None:
-    """Works around Keras 3.15 averaging scalar step results across workers.
-
-    Keras' TF trainer reduces every step output under MultiWorkerMirroredStrategy with
-    `strategy.reduce("MEAN", value, axis=0)`, which fails for the scalar loss and metrics
-    ("Invalid reduction dimension 0 for input with 0 dimensions"). This wraps its
-    `reduce_per_replica` so scalars are averaged across workers with `axis=None`; everything
-    else goes to the original. Idempotent.
-    """
-    from keras.src import tree
-    from keras.src.backend.tensorflow import trainer as tensorflow_trainer
-
-    original = tensorflow_trainer.reduce_per_replica
-    if getattr(original, "_cifar_patched", False):
-        return
-
-    def reduce_per_replica(values, strategy, reduction):
-        if reduction not in ("auto", "mean") or not tensorflow_trainer._collective_all_reduce_multi_worker(strategy):
-            return original(values, strategy, reduction)
-
-        def reduce(value):
-            components = getattr(value, "values", (value,))
-            scalar = components[0].shape.rank == 0
-            return strategy.reduce("MEAN", value, axis=None if scalar else 0)
-
-        return tree.map_structure(reduce, values)
-
-    reduce_per_replica._cifar_patched = True
-    tensorflow_trainer.reduce_per_replica = reduce_per_replica
-
-
 def create_strategy(plan: DevicePlan) -> tf.distribute.Strategy:
     """The strategy for a plan: one device, Mirrored over local devices, or MultiWorkerMirrored."""
     if plan.cluster is not None:
         _restrict_visible_gpus(plan.gpu_ids)
-        _patch_keras_multi_worker_reduce()
+        compat.patch_multi_worker_reduce()
         return tf.distribute.MultiWorkerMirroredStrategy()
     if len(plan.devices) == 1:
         return tf.distribute.OneDeviceStrategy(plan.devices[0])

@@ -6,6 +6,7 @@ Each checkpoint is scored with its evaluation (EMA) weights. Models trained on c
 CNN, 24x24) see the centre crop of each 32x32 test image, as the exported model does in its graph.
 
     runs/<run>/evaluation/
+      result.json            the stage's result and key, written last: the evaluation is reusable once it exists
       metrics.json           accuracy, loss, per-class precision/recall/accuracy, confusion matrix
       predictions.parquet    one row per test image: index, label, predicted, prob_0..prob_9
       confusion_matrix.png   counts, rows = true class
@@ -19,58 +20,38 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-from pydantic import BaseModel
-
 from cifar import plots
-from cifar.checkpoints import CheckpointEntry, load_eval_model, load_index, select_for_evaluation
+from cifar.checkpoints import CheckpointEntry, index_digest, load_eval_model, load_index, select_for_evaluation
 from cifar.config import PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE, NUM_CLASSES, load_manifest
-from cifar.io import atomic_write_bytes, atomic_write_json
+from cifar.io import atomic_write_bytes, atomic_write_json, read_json
+from cifar.results import EvaluationResult
+from cifar.reuse import evaluation_key
 from cifar.tracking import resolve_tracking_uri, use_run
 
 READ_BATCH = 1024  # Serialized examples parsed per step when reading a split.
+RESULT_NAME = "result.json"
 METRICS_NAME = "metrics.json"
 PREDICTIONS_NAME = "predictions.parquet"
 CONFUSION_MATRIX_NAME = "confusion_matrix.png"
 MISCLASSIFIED_NAME = "misclassified.png"
 
 
-class EvaluationResult(BaseModel):
-    """What the evaluate stage produced, for the next stages and the run summary."""
-
-    epoch: int
-    test_accuracy: float
-    test_loss: float
-    flip_tta_accuracy: float | None
-    tta_accuracy: float | None = None  # Flip + 1-pixel translations (airbench's TTA level 2).
-    num_examples: int
-    correct: int  # Correctly classified test images: the exact count behind test_accuracy.
-    metrics_path: str
-    predictions_path: str
-    confusion_matrix_plot: str
-    misclassified_plot: str
-    per_checkpoint: list[dict]  # epoch, accuracy, loss (and val_accuracy) for every evaluated checkpoint.
-
-
 def load_split(data_dir: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     """Every example of a split, in shard order: images (N, 32, 32, 3) uint8 and labels (N,) int64."""
     import tensorflow as tf
 
+    from cifar.input_pipeline import parse_batch
+
     manifest = load_manifest(data_dir)
     if split not in manifest.splits:
         raise ValueError(f"unknown split {split!r}: expected one of {', '.join(manifest.splits)}")
-    features = {
-        "image": tf.io.FixedLenFeature([], tf.string),
-        "label": tf.io.FixedLenFeature([], tf.int64),
-    }
     # One reader, no shuffling, no interleaving: every example exactly once, in the manifest's order.
-    dataset = tf.data.TFRecordDataset(manifest.shard_paths(data_dir, split)).batch(READ_BATCH)
+    dataset = tf.data.TFRecordDataset(manifest.shard_paths(data_dir, split)).batch(READ_BATCH).map(parse_batch)
     images, labels = [], []
-    for serialized in dataset:
-        parsed = tf.io.parse_example(serialized, features)
-        pixels = tf.io.decode_raw(parsed["image"], tf.uint8)  # (B, 3072)
-        images.append(tf.reshape(pixels, (-1, *IMAGE_SHAPE)).numpy())  # (B, 32, 32, 3)
-        labels.append(parsed["label"].numpy())
+    for batch_images, batch_labels in dataset:
+        images.append(batch_images.numpy())  # (B, 32, 32, 3)
+        labels.append(batch_labels.numpy().astype(np.int64))
     if not images:
         return np.zeros((0, *IMAGE_SHAPE), np.uint8), np.zeros((0,), np.int64)
     images_array, labels_array = np.concatenate(images), np.concatenate(labels)
@@ -78,15 +59,6 @@ def load_split(data_dir: str | Path, split: str) -> tuple[np.ndarray, np.ndarray
     if len(labels_array) != expected:
         raise ValueError(f"{split} split has {len(labels_array)} examples, the manifest says {expected}")
     return images_array, labels_array
-
-
-def center_crop(images: Any, size: int) -> Any:
-    """The centre `size` x `size` window of (N, H, W, C) images (numpy or tensors), as TF's crop computes it."""
-    height, width = int(images.shape[1]), int(images.shape[2])
-    if size > height or size > width:
-        raise ValueError(f"crop size {size} exceeds the image size {height}x{width}")
-    top, left = (height - size) // 2, (width - size) // 2
-    return images[:, top : top + size, left : left + size, :]
 
 
 def model_input_size(model) -> int:
@@ -213,6 +185,8 @@ def evaluate_checkpoint(
     batch_size: int, flip_tta: bool, translate_tta: bool = False,
 ) -> dict[str, Any]:
     """Scores one checkpoint's evaluation weights: probabilities, accuracy, loss and (optionally) TTA."""
+    from cifar.input_pipeline import center_crop
+
     model = load_eval_model(checkpoint_dir, entry)
     cropped = center_crop(images, model_input_size(model))
     # The mirror images' logits serve both TTA scores, so they are computed once.
@@ -259,15 +233,24 @@ def evaluate(
     checkpoint_dir: str | Path,
     workdir: str | Path,
     *,
+    refresh: bool = False,
     mlflow_run_id: str | None = None,
     tracking_uri: str | None = None,
     output_dir: str | Path | None = None,
 ) -> EvaluationResult:
-    """Evaluates the best (or every kept) checkpoint on the test split; writes files, logs to MLflow."""
+    """Evaluates the best (or every kept) checkpoint on the test split; writes files, logs to MLflow.
+
+    An evaluation of the same checkpoints, data, settings and code (same key) is returned as it is
+    unless `refresh`.
+    """
     checkpoint_dir = Path(checkpoint_dir)
     output_dir = Path(output_dir) if output_dir is not None else checkpoint_dir.parent / "evaluation"
     settings = config.evaluate
     manifest = load_manifest(data_dir)
+    key = evaluation_key(config, manifest.key or "", index_digest(checkpoint_dir))
+    finished = None if refresh else find_evaluation(output_dir, key)
+    if finished is not None:
+        return finished
     images, labels = load_split(data_dir, "test")
     if len(labels) == 0:
         raise ValueError(f"the test split in {data_dir} is empty: nothing to evaluate")
@@ -329,7 +312,8 @@ def evaluate(
         tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
         log_to_mlflow(tracking_uri, mlflow_run_id, chosen.epoch, metrics, per_checkpoint, output_dir)
 
-    return EvaluationResult(
+    result = EvaluationResult(
+        key=key,
         epoch=chosen.epoch,
         test_accuracy=metrics["test_accuracy"],
         test_loss=metrics["test_loss"],
@@ -343,3 +327,17 @@ def evaluate(
         misclassified_plot=str(misclassified_path),
         per_checkpoint=per_checkpoint,
     )
+    atomic_write_json(output_dir / RESULT_NAME, result.model_dump(exclude={"reused"}))
+    return result
+
+
+def find_evaluation(output_dir: str | Path, key: str) -> EvaluationResult | None:
+    """The stored evaluation in `output_dir` made under `key` whose files are all in place, else None."""
+    path = Path(output_dir) / RESULT_NAME
+    if not path.is_file():
+        return None
+    result = EvaluationResult.model_validate({**read_json(path), "reused": True})
+    files = (result.metrics_path, result.predictions_path, result.confusion_matrix_plot, result.misclassified_plot)
+    if result.key != key or not all(Path(file).is_file() for file in files):
+        return None
+    return result

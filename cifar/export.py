@@ -2,10 +2,13 @@
 
     WORKDIR/export/<model_name>/<version>/   saved_model.pb, variables/, assets.extra/export.json
 
-Versions are consecutive integers and an existing version is never overwritten. The SavedModel is
-written into a hidden temp directory in the same parent (`.export-*.partial`, which TF Serving and
-the version numbering both ignore), reloaded and checked there, and only then renamed to its
-version number, so an interrupted or failed export never leaves a half version behind.
+Versions are consecutive integers and an existing version is never overwritten (layout and
+numbering in `cifar.workdir`). The SavedModel is written into a hidden temp directory in the same
+parent (`.export-*.partial`, which TF Serving and the version numbering both ignore), reloaded and
+checked there, and only then renamed to its version number, so an interrupted or failed export
+never leaves a half version behind. `assets.extra/export.json` records the stage's key and result:
+an export of the same evaluated checkpoint, model name and code finds that version and makes no
+new one (also after a crash between export and registration).
 
 Signatures (normalization and, for the tutorial CNN, the centre crop are inside the graph):
   serving_default  images: uint8 [batch, 32, 32, 3]  -> class_ids int64 [batch],
@@ -16,15 +19,12 @@ Signatures (normalization and, for the tutorial CNN, the centre crop are inside 
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Sequence
 
@@ -34,21 +34,26 @@ import tensorflow as tf
 from cifar.checkpoints import load_eval_model, load_index
 from cifar.config import PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE, load_manifest
-from cifar.evaluate import center_crop, load_split, model_input_size
-from cifar.results import ExportResult
+from cifar.evaluate import load_split, model_input_size
+from cifar.input_pipeline import center_crop
+from cifar.results import EvaluationResult, ExportResult
+from cifar.reuse import export_key
 from cifar.tracking import resolve_tracking_uri, use_run
-from cifar.workdir import export_root
+from cifar.workdir import (
+    EXPORT_METADATA_PATH,
+    EXPORT_PARTIAL_PREFIX,
+    EXPORT_PARTIAL_SUFFIX,
+    export_root,
+    find_export,
+    publish_version,
+    remove_stale_partials,
+)
 
 SERVING_SIGNATURE = "serving_default"
 BYTES_SIGNATURE = "serving_bytes"
 INPUT_NAME = "images"
 BYTES_INPUT_NAME = "image_bytes"
 OUTPUT_NAMES = ("class_ids", "class_names", "probabilities")
-PARTIAL_PREFIX = ".export-"
-PARTIAL_SUFFIX = ".partial"
-STALE_PARTIAL_SECONDS = 3600  # Temp dirs older than this belong to an export that died; younger may be running.
-METADATA_PATH = Path("assets.extra") / "export.json"
-PUBLISH_ATTEMPTS = 100  # Version numbers tried when concurrent exports race for the next one.
 
 
 class ExportVerificationError(RuntimeError):
@@ -88,25 +93,6 @@ class ServingModule(tf.Module):
 
         images = tf.map_fn(decode, image_bytes, fn_output_signature=tf.TensorSpec(IMAGE_SHAPE, tf.uint8))
         return self.classify(images)
-
-
-def existing_versions(root: Path) -> list[int]:
-    """The published version numbers under an export root, ascending (temp dirs are not versions)."""
-    if not root.is_dir():
-        return []
-    return sorted(int(path.name) for path in root.iterdir() if path.is_dir() and path.name.isdigit())
-
-
-def remove_stale_partials(root: Path, max_age_seconds: float = STALE_PARTIAL_SECONDS) -> list[Path]:
-    """Deletes temp dirs that interrupted exports left behind; returns what was removed."""
-    removed = []
-    now = time.time()
-    for path in root.glob(f"{PARTIAL_PREFIX}*{PARTIAL_SUFFIX}"):
-        with contextlib.suppress(FileNotFoundError):
-            if now - path.stat().st_mtime >= max_age_seconds:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-    return removed
 
 
 def serving_outputs(export_dir: str | Path, images: np.ndarray, batch_size: int) -> dict[str, np.ndarray]:
@@ -158,63 +144,56 @@ def verify_export(export_dir: Path, images: np.ndarray, labels: np.ndarray, *, e
     return correct, description
 
 
-def publish(temp_dir: Path, root: Path) -> tuple[int, Path]:
-    """Renames a finished temp dir to the next free version number; never replaces an existing version."""
-    for _ in range(PUBLISH_ATTEMPTS):
-        version = max(existing_versions(root), default=0) + 1
-        final = root / str(version)
-        try:
-            # rename(2) refuses a non-empty target, so a version another export just published survives.
-            os.rename(temp_dir, final)
-            return version, final
-        except OSError as error:
-            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-    raise RuntimeError(f"could not claim a version number under {root}")
-
-
 def export_model(
     config: PipelineConfig,
     data_dir: str | Path,
     checkpoint_dir: str | Path,
     workdir: str | Path,
+    evaluation: EvaluationResult,
     *,
-    epoch: int,
-    expected_accuracy: float,
+    refresh: bool = False,
     mlflow_run_id: str | None = None,
     tracking_uri: str | None = None,
 ) -> ExportResult:
-    """Exports the checkpoint of `epoch` (evaluation weights) as the next verified SavedModel version."""
+    """Exports the evaluated checkpoint (evaluation weights) as the next verified SavedModel version.
+
+    The version an earlier export of the same key published is returned instead, unless `refresh`.
+    """
     checkpoint_dir = Path(checkpoint_dir)
+    root = export_root(Path(workdir), config.export.model_name)
+    key = export_key(config, evaluation.key)
+    finished = None if refresh else find_export(root, key)
+    if finished is not None:
+        return finished
     try:
-        entry = load_index(checkpoint_dir).entry(epoch)
+        entry = load_index(checkpoint_dir).entry(evaluation.epoch)
     except KeyError as error:
-        raise ValueError(f"no checkpoint of epoch {epoch} in {checkpoint_dir}") from error
+        raise ValueError(f"no checkpoint of epoch {evaluation.epoch} in {checkpoint_dir}") from error
     manifest = load_manifest(data_dir)
     images, labels = load_split(data_dir, "test")
     module = ServingModule(load_eval_model(checkpoint_dir, entry), manifest.class_names)
     signatures = {SERVING_SIGNATURE: module.serve, BYTES_SIGNATURE: module.serve_bytes}
 
-    root = export_root(Path(workdir), config.export.model_name)
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_partials(root)
-    temp_dir = Path(tempfile.mkdtemp(prefix=PARTIAL_PREFIX, suffix=PARTIAL_SUFFIX, dir=root))
+    temp_dir = Path(tempfile.mkdtemp(prefix=EXPORT_PARTIAL_PREFIX, suffix=EXPORT_PARTIAL_SUFFIX, dir=root))
     try:
         tf.saved_model.save(module, str(temp_dir), signatures=signatures)
-        correct, description = verify_export(temp_dir, images, labels, expected_accuracy=expected_accuracy,
+        correct, description = verify_export(temp_dir, images, labels, expected_accuracy=evaluation.test_accuracy,
                                              batch_size=config.evaluate.batch_size)
-        metadata = {"epoch": epoch, "checkpoint": entry.model_path, "model": config.train.model,
-                    "class_names": manifest.class_names, "test_correct": correct, "test_examples": len(labels),
-                    "signatures": sorted(signatures)}
-        (temp_dir / METADATA_PATH).parent.mkdir(parents=True, exist_ok=True)
-        (temp_dir / METADATA_PATH).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
-        version, final = publish(temp_dir, root)
+        result = ExportResult(key=key, export_dir="", version=0, verified_accuracy=correct / len(labels),
+                              epoch=evaluation.epoch, signatures=sorted(signatures), num_examples=len(labels),
+                              correct=correct)
+        metadata = {"key": key, "checkpoint": entry.model_path, "model": config.train.model,
+                    "class_names": manifest.class_names, "result": result.model_dump(exclude={"reused"})}
+        (temp_dir / EXPORT_METADATA_PATH).parent.mkdir(parents=True, exist_ok=True)
+        (temp_dir / EXPORT_METADATA_PATH).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+        version, final = publish_version(temp_dir, root)
     except BaseException:
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
 
-    result = ExportResult(export_dir=str(final), version=version, verified_accuracy=correct / len(labels),
-                          epoch=epoch, signatures=sorted(signatures), num_examples=len(labels), correct=correct)
+    result = result.model_copy(update={"export_dir": str(final), "version": version})
     if mlflow_run_id:
         log_to_mlflow(tracking_uri or resolve_tracking_uri(config.tracking, workdir), mlflow_run_id, result, description)
     return result

@@ -102,10 +102,13 @@ def alternating_flips(serialized: tf.Tensor, seed: int, epoch: tf.Tensor) -> tf.
     return tf.bitwise.bitwise_xor(bits, parity)
 
 
-def center_crop(images: tf.Tensor, size: int) -> tf.Tensor:
-    """The central `size` x `size` window of every image."""
-    offset = (images.shape[1] - size) // 2
-    return images[:, offset:offset + size, offset:offset + size, :]
+def center_crop(images, size: int):
+    """The central `size` x `size` window of (N, H, W, C) images, numpy arrays or tensors alike."""
+    height, width = int(images.shape[1]), int(images.shape[2])
+    if size > height or size > width:
+        raise ValueError(f"crop size {size} exceeds the image size {height}x{width}")
+    top, left = (height - size) // 2, (width - size) // 2
+    return images[:, top : top + size, left : left + size, :]
 
 
 def _records(paths: list[str], *, deterministic: bool, shuffle_files_seed: int | None) -> tf.data.Dataset:

@@ -12,6 +12,18 @@ from pathlib import Path
 from typing import Any, Iterator
 
 CHUNK_BYTES = 1 << 20  # Read files in 1 MiB chunks when hashing.
+HEX_LENGTHS = {"sha256": 64, "md5": 32}  # Hex characters of each digest the pipeline checks.
+
+
+def normalise_digest(algorithm: str, digest: str | None) -> str | None:
+    """The lower-cased hex digest (None stays None), or a ValueError naming what is wrong with it."""
+    if digest is None:
+        return None
+    value = digest.strip().lower()
+    length = HEX_LENGTHS[algorithm]
+    if len(value) != length or any(character not in "0123456789abcdef" for character in value):
+        raise ValueError(f"{algorithm} must be {length} hex characters, got {digest!r}")
+    return value
 
 
 def file_digest(path: str | Path, algorithm: str = "sha256") -> str:

@@ -11,19 +11,20 @@ serving can never disagree about preprocessing. Every model returns float32 logi
 | `fast` | airbench94's net; call `init_whitening(model, train_images)` before training | 1,973,944 |
 | `tiny` | one conv layer, for tests only | 314 |
 
-Parameter counts are `model.count_params()` (batch norm's moving statistics included). Weight decay
-is the optimizer's job: no model carries regularizers.
+Parameter counts are `model.count_params()` (batch norm's moving statistics included). No model
+carries regularizers: training adds the L2 penalty to the loss (`cifar.train.add_weight_decay`).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Callable, Sequence
 
 import keras
 import numpy as np
 from keras import layers
 
+from cifar.config import parse_model_name
+from cifar.data.manifest import NUM_CLASSES
 from cifar.layers import (
     ChannelPadding,
     FusedBatchNormalization,
@@ -32,8 +33,6 @@ from cifar.layers import (
     PartialDirac,
     PatchWhitening,
 )
-
-NUM_CLASSES = 10
 
 ModelBuilder = Callable[..., keras.Model]
 _BUILDERS: dict[str, ModelBuilder] = {}
@@ -117,8 +116,8 @@ def build_tutorial(mean: Sequence[float], std: Sequence[float], **_: object) -> 
     """The classic TF tutorial CNN on 24x24 crops: two conv-pool-LRN stages and two dense layers.
 
     Initializers follow the tutorial exactly (truncated normals, biases 0 / 0.1); its weight decay
-    (0.004 on the dense kernels) is the optimizer's job here. It has no batch norm, so
-    `fused_batchnorm` does not apply.
+    (0.004 on the dense kernels) is training's L2 penalty (`cifar.train.add_weight_decay`). It has
+    no batch norm, so `fused_batchnorm` does not apply.
     """
     conv_init = keras.initializers.TruncatedNormal(stddev=TUTORIAL_CONV_STDDEV)
     dense_init = keras.initializers.TruncatedNormal(stddev=TUTORIAL_DENSE_STDDEV)
@@ -151,8 +150,7 @@ RESNET_BN_EPSILON = 1e-5  # The estimator's --batch-norm-epsilon.
 
 def resnet_depth_blocks(depth: int) -> int:
     """Residual blocks per stage, n, for a CIFAR ResNet of depth 6n + 2; ValueError otherwise."""
-    if depth < 8 or (depth - 2) % 6:
-        raise ValueError(f"ResNet depth must be 6n+2 with n >= 1 (8, 20, 32, 44, 56, 110, ...), got {depth}")
+    parse_model_name(f"resnet{depth}")
     return (depth - 2) // 6
 
 
@@ -349,9 +347,7 @@ def build_model(
     """
     if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
         raise ValueError(f"mean and std need 3 channels with std > 0, got mean={mean}, std={std}")
-    match = re.fullmatch(r"resnet(\d+)", name)
-    if match:
-        return _BUILDERS["resnet"](mean=mean, std=std, fused_batchnorm=fused_batchnorm, depth=int(match.group(1)))
-    if name not in _BUILDERS or name == "resnet":
-        raise ValueError(f"unknown model {name!r}: expected tutorial, fast, tiny or resnet{{6n+2}}")
+    family, depth = parse_model_name(name)
+    if family == "resnet":
+        return _BUILDERS["resnet"](mean=mean, std=std, fused_batchnorm=fused_batchnorm, depth=depth)
     return _BUILDERS[name](mean=mean, std=std, fused_batchnorm=fused_batchnorm, fused_gelu=fused_gelu)

@@ -17,6 +17,8 @@ import re
 import keras
 from keras import ops
 
+from cifar import compat
+
 
 @keras.saving.register_keras_serializable(package="cifar")
 class GroupedSGD(keras.optimizers.SGD):
@@ -64,7 +66,7 @@ class GroupedSGD(keras.optimizers.SGD):
         self._stop_steps = [self._first_match(self.stop_after_steps, v.path) for v in variables]
 
     def update_step(self, gradient, variable, learning_rate):
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         multiplier, stop = self._multipliers[index], self._stop_steps[index]
         if multiplier == 1.0 and stop is None:
             return super().update_step(gradient, variable, learning_rate)

@@ -8,6 +8,11 @@ Promotion gate (the TFX "blessing"): a new version takes the `champion` alias on
 accuracy is at least `export.min_accuracy` and at least the current champion's accuracy minus
 `export.tolerance`. Each version carries its accuracy as the tag `test_accuracy` for later gates.
 The registry needs a database-backed store (SQLite or a server), not a plain `file:` store.
+
+Registration is idempotent per export: every version is created with the tag `export_key` (the
+export stage's key, one per export directory), and the gate's decision is recorded on the version
+once taken. Registering the same export again returns the recorded decision; a version registered
+by an attempt that died before deciding gets its decision now. Versions and exports stay one-to-one.
 """
 
 from __future__ import annotations
@@ -18,29 +23,19 @@ from typing import Any
 
 import numpy as np
 from mlflow.pyfunc import PythonModel
-from pydantic import BaseModel
-
 from cifar.config import PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE
-from cifar.export import INPUT_NAME, SERVING_SIGNATURE, ExportResult
+from cifar.export import INPUT_NAME, SERVING_SIGNATURE
+from cifar.results import ExportResult, PromotionResult
+from cifar.reuse import registration_key
 from cifar.tracking import ensure_experiment, resolve_tracking_uri, use_run
 
 CHAMPION_ALIAS = "champion"
 ACCURACY_TAG = "test_accuracy"
+EXPORT_KEY_TAG = "export_key"  # The export a version was registered from: one version per export.
+DECISION_TAG = "promotion.champion"  # Written last on a version: the gate's decision is complete.
 MODEL_ARTIFACT_NAME = "model"  # The logged model's name within the run.
 SAVED_MODEL_ARTIFACT = "saved_model"  # The key of the SavedModel directory among the pyfunc's artifacts.
-
-
-class PromotionResult(BaseModel):
-    """The registered version and whether it became the champion, with the numbers behind the decision."""
-
-    registered_model_version: int | None
-    champion: bool
-    test_accuracy: float
-    champion_accuracy_before: float | None
-    champion_version_before: int | None = None
-    model_uri: str | None = None  # The logged model (models:/<model id>).
-    reason: str
 
 
 class SavedModelClassifier(PythonModel):
@@ -126,8 +121,8 @@ def log_pyfunc_model(export_result: ExportResult, input_example: np.ndarray):
     )
 
 
-def register_version(client, model_name: str, model_info) -> int:
-    """Registers a logged model as a new version of `model_name` through `client` (its store, not the global one)."""
+def register_version(client, model_name: str, model_info, tags: dict[str, str]) -> int:
+    """Registers a logged model as a new version of `model_name`, created with its tags in one request."""
     from mlflow.exceptions import MlflowException
 
     try:
@@ -136,8 +131,36 @@ def register_version(client, model_name: str, model_info) -> int:
         if error.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
     version = client.create_model_version(model_name, source=model_info.model_uri, run_id=model_info.run_id,
-                                          model_id=model_info.model_id)
+                                          model_id=model_info.model_id, tags=tags)
     return int(version.version)
+
+
+def registered_version(client, model_name: str, export_key: str):
+    """The model version registered from the export with `export_key`, or None."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        versions = client.search_model_versions(f"name = '{model_name}'")
+    except MlflowException:
+        return None
+    matches = [version for version in versions if version.tags.get(EXPORT_KEY_TAG) == export_key]
+    return min(matches, key=lambda version: int(version.version), default=None)
+
+
+def recorded_decision(version, key: str) -> PromotionResult | None:
+    """The gate's decision stored on a version, or None when no attempt got that far."""
+    tags = version.tags
+    if DECISION_TAG not in tags:
+        return None
+
+    def optional(name: str, cast):
+        return cast(tags[name]) if tags.get(name) not in (None, "") else None
+
+    return PromotionResult(key=key, reused=True, registered_model_version=int(version.version),
+                           champion=tags["promotion.champion"] == "true", test_accuracy=float(tags[ACCURACY_TAG]),
+                           champion_accuracy_before=optional("promotion.champion_accuracy_before", float),
+                           champion_version_before=optional("promotion.champion_version_before", int),
+                           model_uri=version.source, reason=tags["promotion.reason"])
 
 
 def _example_outputs(export_dir: str, input_example: np.ndarray) -> dict[str, np.ndarray]:
@@ -163,52 +186,74 @@ def register_and_promote(
     tracking_uri: str | None = None,
     input_example: np.ndarray | None = None,
 ) -> PromotionResult:
-    """Logs and registers the exported model, then moves `champion` to it only if it passes the gate."""
+    """Logs and registers the exported model, then moves `champion` to it only if it passes the gate.
+
+    An export registered before (same `export_key` tag) is not registered again: its recorded
+    decision is returned, or taken now if the earlier attempt died before taking it.
+    """
     import mlflow
 
     if not 0 <= test_accuracy <= 1:
         raise ValueError(f"test_accuracy must be in 0..1, got {test_accuracy}")
     workdir = Path(export_result.export_dir).resolve().parents[2]  # WORKDIR/export/<model>/<version>
     tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
-    if input_example is None:
-        input_example = np.zeros((1, *IMAGE_SHAPE), dtype=np.uint8)
-    input_example = np.asarray(input_example, dtype=np.uint8)
+    key = registration_key(config, export_result.key, tracking_uri)
     model_name = config.export.model_name
     # The registry lives in the tracking store; never in a registry some other code set globally.
     client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-
+    register = config.export.register_model
+    version = registered_version(client, model_name, export_result.key) if register else None
+    if version is not None and (decision := recorded_decision(version, key)) is not None:
+        return decision
     if mlflow_run_id is None:
         experiment_id = ensure_experiment(tracking_uri, workdir, config.tracking.experiment)
         mlflow_run_id = client.create_run(experiment_id, run_name=f"register-{model_name}").info.run_id
-
     with use_run(tracking_uri, mlflow_run_id):
-        model_info = log_pyfunc_model(export_result, input_example)
-        if not config.export.register_model:
-            result = PromotionResult(registered_model_version=None, champion=False, test_accuracy=test_accuracy,
-                                     champion_accuracy_before=None, model_uri=model_info.model_uri,
+        if version is None:
+            model_info = log_pyfunc_model(export_result, _input_example(input_example))
+            model_uri = model_info.model_uri
+        if not register:
+            result = PromotionResult(key=key, registered_model_version=None, champion=False, test_accuracy=test_accuracy,
+                                     champion_accuracy_before=None, model_uri=model_uri,
                                      reason="registration disabled (export.register_model is false)")
         else:
-            result = _gate(client, config, model_info, export_result, test_accuracy)
+            if version is None:
+                tags = {EXPORT_KEY_TAG: export_result.key, ACCURACY_TAG: repr(float(test_accuracy)),
+                        "export_version": str(export_result.version), "export_dir": export_result.export_dir,
+                        "epoch": str(export_result.epoch)}
+                number = register_version(client, model_name, model_info, tags)
+            else:  # Registered by an attempt that died before the gate decided.
+                number, model_uri = int(version.version), version.source
+            result = _gate(client, config, key, number, model_uri, test_accuracy)
         _log_decision(result)
     return result
 
 
-def _gate(client, config: PipelineConfig, model_info, export_result: ExportResult, test_accuracy: float) -> PromotionResult:
-    """Tags the new version with its accuracy and applies the promotion gate to the champion alias."""
+def _input_example(input_example: np.ndarray | None) -> np.ndarray:
+    if input_example is None:
+        return np.zeros((1, *IMAGE_SHAPE), dtype=np.uint8)
+    return np.asarray(input_example, dtype=np.uint8)
+
+
+def _gate(client, config: PipelineConfig, key: str, version: int, model_uri: str, test_accuracy: float) -> PromotionResult:
+    """Applies the promotion gate to the champion alias, then records the decision on the version."""
     model_name = config.export.model_name
-    version = register_version(client, model_name, model_info)
     champion_version, champion_accuracy = current_champion(client, model_name)
-    tags = {ACCURACY_TAG: repr(float(test_accuracy)), "export_version": str(export_result.version),
-            "export_dir": export_result.export_dir, "epoch": str(export_result.epoch)}
-    for key, value in tags.items():
-        client.set_model_version_tag(model_name, str(version), key, value)
+    if champion_version == version:  # An earlier attempt moved the alias, then died before recording it.
+        champion_version, champion_accuracy = None, None
     promote, reason = promotion_decision(test_accuracy, champion_accuracy, min_accuracy=config.export.min_accuracy,
                                          tolerance=config.export.tolerance, champion_version=champion_version)
     if promote:
         client.set_registered_model_alias(model_name, CHAMPION_ALIAS, str(version))
-    return PromotionResult(registered_model_version=version, champion=promote, test_accuracy=test_accuracy,
-                           champion_accuracy_before=champion_accuracy, champion_version_before=champion_version,
-                           model_uri=model_info.model_uri, reason=reason)
+    result = PromotionResult(key=key, registered_model_version=version, champion=promote, test_accuracy=test_accuracy,
+                             champion_accuracy_before=champion_accuracy, champion_version_before=champion_version,
+                             model_uri=model_uri, reason=reason)
+    recorded = {"promotion.champion_accuracy_before": "" if champion_accuracy is None else repr(champion_accuracy),
+                "promotion.champion_version_before": "" if champion_version is None else str(champion_version),
+                "promotion.reason": reason, DECISION_TAG: str(promote).lower()}
+    for name, value in recorded.items():  # The decision tag last: its presence means the record is complete.
+        client.set_model_version_tag(model_name, str(version), name, value)
+    return result
 
 
 def _log_decision(result: PromotionResult) -> None:

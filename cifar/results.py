@@ -1,11 +1,77 @@
-"""Stage results that the Prefect tasks extend, kept free of TensorFlow so importing them stays cheap."""
+"""What each stage returns: one definition per stage, free of TensorFlow so importing them stays cheap.
+
+Prefect tasks return these as they are (persisted as JSON in the task cache), the flow copies them
+into `summary.json`, and every result carries its stage's `key` (see `cifar.reuse`) and whether the
+stage `reused` finished work instead of computing it.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 
-class ExportResult(BaseModel):
+class StageResult(BaseModel):
+    """Fields every stage result has."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str  # The stage's key (cifar.reuse): same key, same output.
+    reused: bool = False  # True when the stage returned finished work without computing it.
+
+
+class ArchiveInfo(BaseModel):
+    """A verified archive: where it is, its digests, and the source the caller asked for."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str  # Absolute path of the verified archive.
+    sha256: str
+    md5: str
+    source: str  # What the caller passed.
+
+
+class DataResult(StageResult):
+    """Where the data stage's output is."""
+
+    data_dir: str
+    manifest_path: str
+    source_sha256: str
+    counts: dict[str, int]  # Examples per split.
+
+
+class TrainResult(StageResult):
+    """Where a training run's checkpoints are, its MLflow run and its validation metrics (no model)."""
+
+    run_name: str
+    run_dir: str
+    checkpoint_dir: str
+    mlflow_run_id: str | None
+    tracking_uri: str
+    epochs_completed: int
+    best_epoch: int | None
+    val_accuracy: float | None  # Of the best epoch; None without a validation split.
+    metrics: dict[str, float]  # The last epoch's metrics.
+    model: str
+
+
+class EvaluationResult(StageResult):
+    """Test metrics of the chosen checkpoint and where the evaluation's files are."""
+
+    epoch: int
+    test_accuracy: float
+    test_loss: float
+    flip_tta_accuracy: float | None
+    tta_accuracy: float | None = None  # Flip + 1-pixel translations (airbench's TTA level 2).
+    num_examples: int
+    correct: int  # Correctly classified test images: the exact count behind test_accuracy.
+    metrics_path: str
+    predictions_path: str
+    confusion_matrix_plot: str
+    misclassified_plot: str
+    per_checkpoint: list[dict]  # epoch, accuracy, loss (and val_accuracy) for every evaluated checkpoint.
+
+
+class ExportResult(StageResult):
     """Where the verified SavedModel version lives and what it scored."""
 
     export_dir: str
@@ -15,3 +81,15 @@ class ExportResult(BaseModel):
     signatures: list[str]
     num_examples: int
     correct: int
+
+
+class PromotionResult(StageResult):
+    """The registered version and whether it became the champion, with the numbers behind the decision."""
+
+    registered_model_version: int | None
+    champion: bool
+    test_accuracy: float
+    champion_accuracy_before: float | None
+    champion_version_before: int | None = None
+    model_uri: str | None = None  # The logged model (models:/<model id>).
+    reason: str

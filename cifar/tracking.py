@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from cifar import compat
 from cifar.config import TrackingConfig
 
 
@@ -50,30 +51,6 @@ def ensure_experiment(tracking_uri: str, workdir: str | Path, name: str) -> str:
 
 
 @contextlib.contextmanager
-def tracking_uri_scope(tracking_uri: str) -> Iterator[None]:
-    """Points MLflow's fluent API (`mlflow.log_*`, `start_run`) at `tracking_uri` for the block only.
-
-    `mlflow.set_tracking_uri` also exports `MLFLOW_TRACKING_URI`, which `resolve_tracking_uri`
-    would then pick up for every later stage and workdir in this process; the previous URI and
-    environment are restored on exit.
-    """
-    import mlflow
-    from mlflow.tracking._tracking_service import utils as tracking_utils
-
-    previous_uri = tracking_utils._tracking_uri
-    previous_environment = os.environ.get("MLFLOW_TRACKING_URI")
-    mlflow.set_tracking_uri(tracking_uri)
-    try:
-        yield
-    finally:
-        mlflow.set_tracking_uri(previous_uri)
-        if previous_environment is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = previous_environment
-
-
-@contextlib.contextmanager
 def use_run(tracking_uri: str, run_id: str) -> Iterator["mlflow.ActiveRun"]:  # noqa: F821
     """Resumes `run_id` as the active MLflow run for `mlflow.log_*` calls.
 
@@ -83,7 +60,7 @@ def use_run(tracking_uri: str, run_id: str) -> Iterator["mlflow.ActiveRun"]:  # 
     """
     import mlflow
 
-    with tracking_uri_scope(tracking_uri):
+    with compat.mlflow_tracking_uri(tracking_uri):
         active = mlflow.active_run()
         if active is not None and active.info.run_id == run_id:
             yield active
@@ -92,11 +69,35 @@ def use_run(tracking_uri: str, run_id: str) -> Iterator["mlflow.ActiveRun"]:  # 
             yield run
 
 
+@contextlib.contextmanager
+def active_run(tracking_uri: str, run_id: str | None, *, system_metrics: bool) -> Iterator[None]:
+    """Makes `run_id` the active run (with system metrics, if asked) for the block; nothing when None.
+
+    The run ends FINISHED when the block succeeds and FAILED when it raises.
+    """
+    if run_id is None:
+        yield
+        return
+    import mlflow
+
+    with compat.mlflow_tracking_uri(tracking_uri):
+        with mlflow.start_run(run_id=run_id, log_system_metrics=system_metrics):
+            yield
+
+
 def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
     """Marks the pipeline's run as ended (FINISHED or FAILED)."""
     import mlflow
 
     mlflow.MlflowClient(tracking_uri=tracking_uri).set_terminated(run_id, status=status)
+
+
+def mark_failed(tracking_uri: str, run_id: str, reason: str) -> None:
+    """Ends a run FAILED with the reason as its `failure` tag."""
+    import mlflow
+
+    mlflow.MlflowClient(tracking_uri=tracking_uri).set_tag(run_id, "failure", reason[:5000])
+    end_run(tracking_uri, run_id, "FAILED")
 
 
 # --- Training: the one run of a pipeline, its params, per-epoch metrics and inputs. ---------------

@@ -14,19 +14,21 @@ recipes) every parameter is decayed, batch-norm biases by `weight_decay / bias_l
 `cifar.optimizers.GroupedSGD` gives batch-norm biases their own rate and stops the whitening bias
 after `whitening_bias_epochs`; `Lookahead` (cifar.callbacks) replaces EMA there.
 
-Run directory `WORKDIR/runs/<run_name>/`: `checkpoints/` (contract in `cifar.checkpoints`),
-`history.json` (one value per epoch and metric), `state.json` (the MLflow run id, the status and,
-once complete, the result) and `training_curves.png`.
+Run directory `WORKDIR/runs/<run_name>/` (contract in `cifar.checkpoints`): `checkpoints/`,
+`history.json`, `state.json` and `training_curves.png`. The default run name is the model and the
+stage key (`cifar.reuse.training_key`: data, training fields, seed, training code), so a changed
+setting or a changed module trains a new run in a new folder, with a new MLflow run.
 
-Resume semantics:
+Reuse and resume:
 - `train.resume=True` (default) continues from the latest checkpoint in the index: model weights,
   optimizer state (momentum, step counter, EMA) and the epoch counter (`initial_epoch`) are
   restored, the history is cut to that epoch and the same MLflow run is continued. An epoch counts
   once `index.json` lists it, so after a crash or kill at any point no epoch is lost and none is
   counted twice; metrics MLflow missed (a kill between the checkpoint and the report) are
   back-filled, one value per epoch.
-- A completed run re-invoked returns its stored `TrainResult` without training.
-- `train.resume=False` (`--fresh`) deletes the old run directory and starts a new MLflow run.
+- A completed run with the same key returns its stored `TrainResult` without training.
+- `train.resume=False` (`--fresh`) or `refresh` deletes the old run directory and starts a new
+  MLflow run. A named run (`train.run_name`) made under another key is refused, not overwritten.
 - Multi-worker runs resume only when every worker sees the chief's run directory (shared disk).
 
 A NaN or infinite loss raises `TrainingDivergedError`: the bad epoch is not checkpointed and the
@@ -35,20 +37,18 @@ MLflow run is marked FAILED.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
-import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import keras
 import numpy as np
-import pydantic
 import tensorflow as tf
 
-from cifar import distribute, schedules, tracking
+from cifar import compat, distribute, schedules, tracking
 from cifar.callbacks import (
     DivergenceGuard,
     EpochCheckpoint,
@@ -58,45 +58,22 @@ from cifar.callbacks import (
     MetricsLogger,
     TrainingDivergedError,
 )
-from cifar.checkpoints import CheckpointIndex, load_index
+from cifar.checkpoints import CheckpointIndex, RunDirectory, history_rows, load_index
 from cifar.config import PipelineConfig, resolve_workdir
 from cifar.data.manifest import Manifest, load_manifest
 from cifar.input_pipeline import make_eval_dataset, make_train_dataset, split_size
-from cifar.io import atomic_write_json, read_json
 from cifar.layers import PatchWhitening
 from cifar.models import build_model, init_whitening, input_size
 from cifar.optimizers import GroupedSGD
+from cifar.performance import configure_performance
+from cifar.results import TrainResult
+from cifar.reuse import training_key
 from cifar.train_plots import plot_training_curves
-from cifar.workdir import run_dir as run_dir_of
-from cifar.workdir import stable_hash
-
-try:  # Lands concurrently; training must work (in float32, no XLA) until it does.
-    from cifar.performance import configure_performance
-except ImportError:  # pragma: no cover
-    configure_performance = None
+from cifar.workdir import run_dir
 
 __all__ = ["TrainResult", "TrainingDivergedError", "default_run_name", "train"]
 
 logger = logging.getLogger(__name__)
-
-STATE_NAME = "state.json"
-HISTORY_NAME = "history.json"
-PLOT_NAME = "training_curves.png"
-# Fields that do not change what is trained, so they do not change the default run name.
-RUN_NAME_EXCLUDED_FIELDS = ("resume", "run_name")
-
-
-class TrainResult(pydantic.BaseModel):
-    run_dir: str
-    checkpoint_dir: str
-    mlflow_run_id: str | None
-    tracking_uri: str
-    epochs_completed: int
-    best_epoch: int | None
-    val_accuracy: float | None  # Of the best epoch; None without a validation split.
-    metrics: dict[str, float]  # The last epoch's metrics.
-    model: str
-    run_name: str
 
 
 @keras.saving.register_keras_serializable(package="cifar")
@@ -118,16 +95,9 @@ class SparseCrossentropyWithSmoothing(keras.losses.Loss):
         return {**super().get_config(), "label_smoothing": self.label_smoothing, "num_classes": self.num_classes}
 
 
-def data_key(manifest: Manifest) -> str:
-    """What identifies the prepared data: the archive's digest, the data settings, the format."""
-    return stable_hash({"source_sha256": manifest.source.sha256, "settings": manifest.settings,
-                        "format_version": manifest.format_version})
-
-
-def default_run_name(config: PipelineConfig, data_key: str) -> str:
-    """`<model>-<hash>` of the data, the train settings (except resume/run_name) and the seed."""
-    train_fields = config.train.model_dump(exclude=set(RUN_NAME_EXCLUDED_FIELDS))
-    return f"{config.train.model}-{stable_hash({'data': data_key, 'train': train_fields, 'seed': config.seed})}"
+def default_run_name(model: str, key: str) -> str:
+    """`<model>-<first 12 characters of the training key>`."""
+    return f"{model}-{key[:12]}"
 
 
 def training_splits(config: PipelineConfig, manifest: Manifest) -> tuple[list[str], list[str]]:
@@ -211,92 +181,138 @@ def compile_model(model: keras.Model, config: PipelineConfig, steps_per_epoch: i
                   metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")], jit_compile=jit_compile)
 
 
-def _avoid_collective_shape_probe(model: keras.Model, strategy, batch_size: int, image_size: int) -> None:
-    """Works around Keras 3.15 `fit` under MultiWorkerMirroredStrategy.
+@dataclasses.dataclass(frozen=True)
+class TrainingJob:
+    """What one training run is about: its config and devices, its data, its folder and its key."""
 
-    Before training, Keras' TF trainer averages the first distributed batch across replicas
-    (`strategy.reduce("MEAN", batch)`) only to learn the input shapes for building metrics and
-    the optimizer; across workers that is a collective on uint8 images and fails
-    ("Attempt to convert a value (PerReplica...)"). Shapes are all it needs, so this model
-    builds from a zero batch of one replica's shape instead.
+    config: PipelineConfig
+    plan: distribute.DevicePlan
+    workdir: Path
+    data_dir: Path
+    manifest: Manifest
+    run: RunDirectory
+    key: str
+    tracking_uri: str
+    steps_per_epoch: int
+    num_train_examples: int
+
+    @property
+    def train(self):
+        return self.config.train
+
+
+def plan_job(config: PipelineConfig, data_dir: str | Path, workdir: str | Path) -> TrainingJob:
+    """Checks the request against the devices and the data, and names the run; no training work yet."""
+    plan = distribute.plan_devices(config.train)  # A bad device request fails before anything else.
+    workdir = resolve_workdir(workdir)
+    manifest = load_manifest(data_dir)
+    key = training_key(config, manifest.key or "")
+    num_train_examples = split_size(manifest, training_splits(config, manifest)[0])
+    return TrainingJob(
+        config=config, plan=plan, workdir=workdir, data_dir=Path(data_dir), manifest=manifest,
+        run=RunDirectory(run_dir(workdir, config.train.run_name or default_run_name(config.train.model, key))),
+        key=key, tracking_uri=tracking.resolve_tracking_uri(config.tracking, workdir),
+        steps_per_epoch=compute_steps_per_epoch(config, num_train_examples), num_train_examples=num_train_examples,
+    )
+
+
+def train(
+    config: PipelineConfig,
+    data_dir: str | Path,
+    workdir: str | Path,
+    *,
+    refresh: bool = False,
+    epoch_callback: Callable[[dict], None] | None = None,
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+) -> TrainResult:
+    """Trains (or resumes, or returns the finished) run of `config` on the prepared data.
+
+    `refresh` retrains from scratch even when a finished run exists. `epoch_callback(progress)`
+    gets `{"epoch", "epochs", **metrics}` after every epoch (how the Prefect task reports progress
+    without this package importing Prefect); `callbacks` are extra Keras callbacks, run after the
+    checkpoint of each epoch is written.
     """
-    sample = (tf.zeros([batch_size, image_size, image_size, 3], tf.uint8), tf.zeros([batch_size], tf.int32))
+    job = plan_job(config, data_dir, workdir)
+    run = job.run
+    if job.plan.is_chief and (refresh or not job.train.resume):
+        run.discard()
+    finished = run.completed(job.key)
+    if finished is not None:
+        logger.info("run %s is complete under the same key: reusing it", run.name)
+        return finished
+    run.check_key(job.key)
 
-    def symbolic_build(iterator=None, data_batch=None):
-        with strategy.scope():
-            model._symbolic_build(data_batch=sample)
+    performance = configure_performance(job.train, len(job.plan.gpu_ids))
+    keras.utils.set_random_seed(config.seed)
+    if job.train.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    strategy = distribute.create_strategy(job.plan)
 
-    model._maybe_symbolic_build = symbolic_build
+    index = load_index(run.checkpoint_dir)
+    initial_epoch = index.latest.epoch if index.latest else 0
+    history = run.read_history(initial_epoch)
+    checkpoint = run.checkpoint_dir / index.latest.model_path if initial_epoch else None
+    model = _build_model(job, strategy, performance.get("jit_compile") == "true", checkpoint)
+    if initial_epoch:
+        logger.info("resuming %s after epoch %d", run.name, initial_epoch)
 
+    run_id = _open_tracking(job, history, performance) if job.plan.is_chief else None
+    checkpoint_dir = distribute.writable_dir(job.plan, run.checkpoint_dir)
+    checkpointer = EpochCheckpoint(checkpoint_dir, keep=job.train.keep_checkpoints, index=index, history=history,
+                                   history_path=run.history_path if job.plan.is_chief else None,
+                                   write_records=job.plan.is_chief)
+    try:
+        if initial_epoch < job.train.epochs:
+            all_callbacks = [*_callbacks(job, checkpointer, run_id, epoch_callback), *callbacks]
+            _fit(job, model, initial_epoch, all_callbacks, run_id)
+    except TrainingDivergedError as error:
+        if run_id is not None:
+            tracking.mark_failed(job.tracking_uri, run_id, str(error))
+            run.write_state(job.key, run_id, job.tracking_uri, "diverged")
+        raise
+    finally:
+        distribute.cleanup_dir(job.plan, checkpoint_dir)
 
-def _console_verbosity() -> int:
-    """A live progress bar on a terminal, one line per epoch in logs."""
-    return 1 if sys.stdout.isatty() else 2
-
-
-def _discard_run(run_dir: Path) -> None:
-    """Moves an old run aside, then deletes it (a crash midway never leaves a half-deleted run in place)."""
-    if not run_dir.exists():
-        return
-    aside = run_dir.with_name(f".{run_dir.name}.discarded-{time.time_ns()}")
-    run_dir.rename(aside)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-def _truncate_history(history: dict[str, list[float]], epochs: int) -> dict[str, list[float]]:
-    """The history of the first `epochs` epochs (a kill may have recorded one the index does not list)."""
-    if not history.get("epoch"):
-        return {}
-    keep = [position for position, epoch in enumerate(history["epoch"]) if epoch <= epochs]
-    return {key: [values[position] for position in keep if position < len(values)] for key, values in history.items()}
-
-
-def _history_rows(history: dict[str, list[float]]) -> list[tuple[int, dict[str, float]]]:
-    """(epoch, metrics) per recorded epoch, leaving out metrics missing in that epoch."""
-    rows = []
-    for position, epoch in enumerate(history.get("epoch", [])):
-        metrics = {key: values[position] for key, values in history.items()
-                   if key != "epoch" and position < len(values) and values[position] is not None}
-        rows.append((int(epoch), metrics))
-    return rows
-
-
-class _Run:
-    """Where one training run keeps its files, and its MLflow bookkeeping in state.json."""
-
-    def __init__(self, workdir: Path, run_name: str, tracking_uri: str):
-        self.name = run_name
-        self.directory = run_dir_of(workdir, run_name)
-        self.checkpoint_dir = self.directory / "checkpoints"
-        self.state_path = self.directory / STATE_NAME
-        self.history_path = self.directory / HISTORY_NAME
-        self.tracking_uri = tracking_uri
-
-    def read_state(self) -> dict:
-        return read_json(self.state_path) if self.state_path.is_file() else {}
-
-    def write_state(self, run_id: str | None, status: str, result: TrainResult | None = None) -> None:
-        state = {"run_name": self.name, "mlflow_run_id": run_id, "tracking_uri": self.tracking_uri, "status": status}
-        if result is not None:
-            state["result"] = result.model_dump()
-        atomic_write_json(self.state_path, state)
-
-    def read_history(self, epochs: int) -> dict[str, list]:
-        """The recorded history of the first `epochs` epochs (a kill may have left one more)."""
-        return _truncate_history(read_json(self.history_path), epochs) if self.history_path.is_file() else {}
-
-    def result(self, config: PipelineConfig, run_id: str | None, index: CheckpointIndex, history) -> TrainResult:
-        rows = _history_rows(history)
-        best = index.best
-        return TrainResult(
-            run_dir=str(self.directory), checkpoint_dir=str(self.checkpoint_dir), mlflow_run_id=run_id,
-            tracking_uri=self.tracking_uri, epochs_completed=index.latest.epoch if index.latest else 0,
-            best_epoch=index.best_epoch, val_accuracy=best.metrics.get("val_accuracy") if best else None,
-            metrics=rows[-1][1] if rows else {}, model=config.train.model, run_name=self.name,
-        )
+    result = _result(job, run_id, checkpointer.index, checkpointer.history)
+    if job.plan.is_chief:
+        _finish(job, run_id, checkpointer.history, result)
+    return result
 
 
-def _open_tracking(config, run: _Run, workdir, data_dir, manifest, history, extra_params, tags) -> str:
+def _build_model(job: TrainingJob, strategy, jit_compile: bool, checkpoint: Path | None) -> keras.Model:
+    """The compiled model under the strategy, restored from `checkpoint` (weights + optimizer) if given."""
+    train = job.train
+    with strategy.scope():
+        model = build_model(train.model, mean=job.manifest.mean, std=job.manifest.std,
+                            fused_batchnorm=train.fused_batchnorm, fused_gelu=train.fused_gelu)
+        if checkpoint is None and any(isinstance(layer, PatchWhitening) for layer in model.layers):
+            # The fast net's frozen first conv whitens 2x2 patches; its filters come from the data
+            # (airbench94's init_whitening_conv). A resumed run restores them from the checkpoint.
+            init_whitening(model, _whitening_images(job))
+        add_weight_decay(model, train.weight_decay, decay_biases=train.decay_biases,
+                         bias_multiplier=train.bias_learning_rate_multiplier)
+        compile_model(model, job.config, job.steps_per_epoch, jit_compile)
+        if job.plan.cluster is not None:
+            batch = train.batch_size // job.plan.num_replicas
+            size = input_size(train.model)
+            compat.build_from_sample(model, strategy, (tf.zeros([batch, size, size, 3], tf.uint8),
+                                                       tf.zeros([batch], tf.int32)))
+        if checkpoint is not None:
+            # Optimizer slots must exist before loading, or Keras skips the saved optimizer state.
+            model.optimizer.build(model.trainable_variables)
+            model.load_weights(checkpoint)
+    return model
+
+
+def _whitening_images(job: TrainingJob, count: int = 5_000) -> np.ndarray:
+    """The first `count` training images (uint8, HWC), for data-dependent first-layer initialization."""
+    train_splits, _ = training_splits(job.config, job.manifest)
+    dataset = make_eval_dataset(job.data_dir, splits=train_splits, batch_size=count, image_size=32)
+    images, _ = next(iter(dataset))
+    return images.numpy()
+
+
+def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict[str, str]) -> str:
     """The pipeline's MLflow run id: the one in state.json if the store still has it, else a new one.
 
     A new run gets every config field as a param, the dataset as an input, the config and the
@@ -306,205 +322,93 @@ def _open_tracking(config, run: _Run, workdir, data_dir, manifest, history, extr
     """
     import mlflow
 
+    run, uri, train = job.run, job.tracking_uri, job.train
+    run.path.mkdir(parents=True, exist_ok=True)
+    # What this attempt runs on (a resume may differ), set on every attempt.
+    attempt_tags = {"devices": job.plan.summary(), **{f"performance.{key}": value for key, value in performance.items()}}
     run_id = run.read_state().get("mlflow_run_id")
-    if not (run_id and tracking.run_exists(run.tracking_uri, run_id)):
-        run_id = tracking.create_run(run.tracking_uri, workdir, config.tracking.experiment, run.name, tags)
-        tracking.log_params(run.tracking_uri, run_id, {**config.flat(), **extra_params})
-        with tracking.use_run(run.tracking_uri, run_id):
-            mlflow.log_input(tracking.manifest_dataset(manifest, data_dir), context="training")
-            mlflow.log_dict(config.model_dump(mode="json"), "config.json")
-            mlflow.log_artifact(str(Path(data_dir) / "manifest.json"))
-    client = mlflow.MlflowClient(tracking_uri=run.tracking_uri)
-    for key in ("devices", *[key for key in tags if key.startswith("performance.")]):
-        client.set_tag(run_id, key, tags[key])  # What this attempt ran on (a resume may differ).
-    run.write_state(run_id, "running")
-    logged = tracking.logged_steps(run.tracking_uri, run_id, "loss")
-    for epoch, metrics in _history_rows(history):
+    if not (run_id and tracking.run_exists(uri, run_id)):
+        tags = {"model": train.model, "run_name": run.name, "git_commit": tracking.git_commit() or "unknown"}
+        run_id = tracking.create_run(uri, job.workdir, job.config.tracking.experiment, run.name, tags)
+        derived = {"derived.steps_per_epoch": job.steps_per_epoch, "derived.train_examples": job.num_train_examples,
+                   "derived.peak_learning_rate": schedules.scaled_learning_rate(train.learning_rate, train.batch_size),
+                   "derived.data_key": job.manifest.key, "derived.training_key": job.key}
+        tracking.log_params(uri, run_id, {**job.config.flat(), **derived})
+        with tracking.use_run(uri, run_id):
+            mlflow.log_input(tracking.manifest_dataset(job.manifest, job.data_dir), context="training")
+            mlflow.log_dict(job.config.model_dump(mode="json"), "config.json")
+            mlflow.log_artifact(str(job.data_dir / "manifest.json"))
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    for key, value in attempt_tags.items():
+        client.set_tag(run_id, key, value)
+    run.write_state(job.key, run_id, uri, "running")
+    logged = tracking.logged_steps(uri, run_id, "loss")
+    for epoch, metrics in history_rows(history):
         if epoch not in logged:
-            tracking.log_epoch_metrics(run.tracking_uri, run_id, epoch, metrics)
+            tracking.log_epoch_metrics(uri, run_id, epoch, metrics)
     return run_id
 
 
-def _whitening_images(config: PipelineConfig, data_dir: Path, count: int = 5_000) -> np.ndarray:
-    """The first `count` training images (uint8, HWC), for data-dependent first-layer initialization."""
-    train_splits, _ = training_splits(config, load_manifest(data_dir))
-    dataset = make_eval_dataset(data_dir, splits=train_splits, batch_size=count, image_size=32)
-    images, _ = next(iter(dataset))
-    return images.numpy()
+def _callbacks(job: TrainingJob, checkpointer: EpochCheckpoint, run_id: str | None,
+               epoch_callback: Callable[[dict], None] | None) -> list[keras.callbacks.Callback]:
+    """The training callbacks, in the order `cifar.callbacks` explains."""
+    train = job.train
+    callbacks: list[keras.callbacks.Callback] = [EpochStatistics(train.batch_size), DivergenceGuard()]
+    if train.ema_decay is not None:
+        callbacks.append(keras.callbacks.SwapEMAWeights())  # Validate with the EMA weights.
+    if train.lookahead_steps is not None:
+        callbacks.append(Lookahead(train.lookahead_steps, job.steps_per_epoch, job.steps_per_epoch * train.epochs))
+    callbacks.append(checkpointer)
+    if run_id is not None:
+        callbacks.append(MetricsLogger(
+            lambda epoch, metrics: tracking.log_epoch_metrics(job.tracking_uri, run_id, epoch, metrics)))
+    if epoch_callback is not None:
+        callbacks.append(EpochProgress(epoch_callback, train.epochs))
+    return callbacks
 
 
-def _build_model(config: PipelineConfig, manifest: Manifest, plan, strategy, steps_per_epoch: int,
-                 jit_compile: bool, checkpoint: Path | None, data_dir: Path) -> keras.Model:
-    """The compiled model under the strategy, restored from `checkpoint` (weights + optimizer) if given."""
-    train_config = config.train
-    with strategy.scope():
-        model = build_model(train_config.model, mean=manifest.mean, std=manifest.std,
-                            fused_batchnorm=train_config.fused_batchnorm, fused_gelu=train_config.fused_gelu)
-        if checkpoint is None and any(isinstance(layer, PatchWhitening) for layer in model.layers):
-            # The fast net's frozen first conv whitens 2x2 patches; its filters come from the data
-            # (airbench94's init_whitening_conv). A resumed run restores them from the checkpoint.
-            init_whitening(model, _whitening_images(config, data_dir))
-        add_weight_decay(model, train_config.weight_decay, decay_biases=train_config.decay_biases,
-                         bias_multiplier=train_config.bias_learning_rate_multiplier)
-        compile_model(model, config, steps_per_epoch, jit_compile)
-        if plan.cluster is not None:
-            _avoid_collective_shape_probe(model, strategy, train_config.batch_size // plan.num_replicas,
-                                          input_size(train_config.model))
-        if checkpoint is not None:
-            # Optimizer slots must exist before loading, or Keras skips the saved optimizer state.
-            model.optimizer.build(model.trainable_variables)
-            model.load_weights(checkpoint)
-    return model
-
-
-def _make_datasets(config: PipelineConfig, manifest: Manifest, data_dir: Path, plan, steps_per_epoch: int,
-                   initial_epoch: int):
-    train_config = config.train
-    train_splits, validation_splits = training_splits(config, manifest)
-    image_size = input_size(train_config.model)
+def _fit(job: TrainingJob, model: keras.Model, initial_epoch: int, callbacks: list, run_id: str | None) -> None:
+    """model.fit inside the MLflow run (for system metrics) on the chief; plain fit elsewhere."""
+    train = job.train
+    train_splits, validation_splits = training_splits(job.config, job.manifest)
+    image_size = input_size(train.model)
     # Multi-worker element sharding needs the same element order on every worker.
-    deterministic = train_config.deterministic or plan.num_workers > 1
+    deterministic = train.deterministic or job.plan.num_workers > 1
     train_dataset = make_train_dataset(
-        data_dir, splits=train_splits, batch_size=train_config.batch_size, image_size=image_size, seed=config.seed,
-        augment=train_config.augment, cache=train_config.cache, shuffle_buffer=train_config.shuffle_buffer,
-        deterministic=deterministic, start_step=initial_epoch * steps_per_epoch,
-        crop_padding=train_config.crop_padding, padding_mode=train_config.padding_mode, flip=train_config.flip,
-        steps_per_epoch=steps_per_epoch,
+        job.data_dir, splits=train_splits, batch_size=train.batch_size, image_size=image_size, seed=job.config.seed,
+        augment=train.augment, cache=train.cache, shuffle_buffer=train.shuffle_buffer, deterministic=deterministic,
+        start_step=initial_epoch * job.steps_per_epoch, crop_padding=train.crop_padding,
+        padding_mode=train.padding_mode, flip=train.flip, steps_per_epoch=job.steps_per_epoch,
     )
     validation_dataset = None
     if validation_splits:
-        validation_dataset = make_eval_dataset(
-            data_dir, splits=validation_splits, batch_size=train_config.batch_size, image_size=image_size,
-            cache=train_config.cache,
-        )
-    return train_dataset, validation_dataset
+        validation_dataset = make_eval_dataset(job.data_dir, splits=validation_splits, batch_size=train.batch_size,
+                                               image_size=image_size, cache=train.cache)
+    verbose = 1 if sys.stdout.isatty() else 2  # A live progress bar on a terminal, one line per epoch in logs.
+    with tracking.active_run(job.tracking_uri, run_id, system_metrics=job.config.tracking.system_metrics):
+        # Ended FINISHED on success; FAILED on any exception (a SIGKILL leaves it RUNNING until resumed).
+        model.fit(train_dataset, epochs=train.epochs, initial_epoch=initial_epoch, steps_per_epoch=job.steps_per_epoch,
+                  validation_data=validation_dataset, callbacks=callbacks, verbose=verbose, shuffle=False)
 
 
-def train(
-    config: PipelineConfig,
-    data_dir: str | Path,
-    workdir: str | Path,
-    *,
-    epoch_callback: Callable[[dict], None] | None = None,
-    callbacks: Sequence[keras.callbacks.Callback] = (),
-) -> TrainResult:
-    """Trains (or resumes, or returns the finished) run of `config` on the prepared data.
-
-    `epoch_callback(progress)` gets `{"epoch", "epochs", **metrics}` after every epoch (how the
-    Prefect task reports progress without this package importing Prefect); `callbacks` are extra
-    Keras callbacks, run after the checkpoint of each epoch is written.
-    """
-    train_config = config.train
-    # Devices and the batch split are checked first: a bad request fails before any work.
-    plan = distribute.plan_devices(train_config)
-    workdir = resolve_workdir(workdir)
-    data_dir = Path(data_dir)
-    manifest = load_manifest(data_dir)
-    run = _Run(workdir, train_config.run_name or default_run_name(config, data_key(manifest)),
-               tracking.resolve_tracking_uri(config.tracking, workdir))
-
-    if plan.is_chief and not train_config.resume:
-        _discard_run(run.directory)
-    state = run.read_state() if train_config.resume else {}
-    if state.get("status") == "completed" and (state.get("result") or {}).get("epochs_completed") == train_config.epochs:
-        logger.info("run %s is complete: reusing it", run.name)
-        return TrainResult.model_validate(state["result"])
-
-    num_train_examples = split_size(manifest, training_splits(config, manifest)[0])
-    steps_per_epoch = compute_steps_per_epoch(config, num_train_examples)
-    performance = configure_performance(train_config, len(plan.gpu_ids)) if configure_performance else {}
-    keras.utils.set_random_seed(config.seed)
-    if train_config.deterministic:
-        tf.config.experimental.enable_op_determinism()
-    strategy = distribute.create_strategy(plan)
-
-    index = load_index(run.checkpoint_dir) if train_config.resume else CheckpointIndex()
-    initial_epoch = index.latest.epoch if index.latest else 0
-    history = run.read_history(initial_epoch) if train_config.resume else {}
-    train_dataset, validation_dataset = _make_datasets(config, manifest, data_dir, plan, steps_per_epoch,
-                                                       initial_epoch)
-    checkpoint = run.checkpoint_dir / index.latest.model_path if initial_epoch else None
-    model = _build_model(config, manifest, plan, strategy, steps_per_epoch,
-                         performance.get("jit_compile") == "true", checkpoint, data_dir)
-    if initial_epoch:
-        logger.info("resuming %s after epoch %d", run.name, initial_epoch)
-
-    run_id = None
-    if plan.is_chief:
-        run.directory.mkdir(parents=True, exist_ok=True)
-        tags = {"model": train_config.model, "run_name": run.name, "devices": plan.summary(),
-                "git_commit": tracking.git_commit() or "unknown",
-                **{f"performance.{key}": value for key, value in performance.items()}}
-        extra_params = {"derived.steps_per_epoch": steps_per_epoch, "derived.train_examples": num_train_examples,
-                        "derived.peak_learning_rate": schedules.scaled_learning_rate(
-                            train_config.learning_rate, train_config.batch_size),
-                        "derived.data_key": data_key(manifest)}
-        run_id = _open_tracking(config, run, workdir, data_dir, manifest, history, extra_params, tags)
-
-    writable_checkpoint_dir = distribute.writable_dir(plan, run.checkpoint_dir)
-    checkpoint_callback = EpochCheckpoint(
-        writable_checkpoint_dir, keep=train_config.keep_checkpoints, index=index, history=history,
-        history_path=run.history_path if plan.is_chief else None, write_records=plan.is_chief,
+def _result(job: TrainingJob, run_id: str | None, index: CheckpointIndex, history: dict[str, list]) -> TrainResult:
+    rows = history_rows(history)
+    best = index.best
+    return TrainResult(
+        key=job.key, run_name=job.run.name, run_dir=str(job.run.path), checkpoint_dir=str(job.run.checkpoint_dir),
+        mlflow_run_id=run_id, tracking_uri=job.tracking_uri,
+        epochs_completed=index.latest.epoch if index.latest else 0, best_epoch=index.best_epoch,
+        val_accuracy=best.metrics.get("val_accuracy") if best else None, metrics=rows[-1][1] if rows else {},
+        model=job.train.model,
     )
-    all_callbacks: list[keras.callbacks.Callback] = [EpochStatistics(train_config.batch_size), DivergenceGuard()]
-    if train_config.ema_decay is not None:
-        all_callbacks.append(keras.callbacks.SwapEMAWeights())  # Validate with the EMA weights.
-    if train_config.lookahead_steps is not None:
-        all_callbacks.append(Lookahead(train_config.lookahead_steps, steps_per_epoch,
-                                       steps_per_epoch * train_config.epochs))
-    all_callbacks.append(checkpoint_callback)
-    if run_id is not None:
-        all_callbacks.append(MetricsLogger(
-            lambda epoch, metrics: tracking.log_epoch_metrics(run.tracking_uri, run_id, epoch, metrics)))
-    if epoch_callback is not None:
-        all_callbacks.append(EpochProgress(epoch_callback, train_config.epochs))
-    all_callbacks.extend(callbacks)
-
-    try:
-        if initial_epoch < train_config.epochs:
-            _fit(model, config, run_id, run.tracking_uri, train_dataset, validation_dataset, steps_per_epoch,
-                 initial_epoch, all_callbacks)
-    except TrainingDivergedError as error:
-        if run_id is not None:
-            import mlflow
-
-            mlflow.MlflowClient(tracking_uri=run.tracking_uri).set_tag(run_id, "failure", str(error)[:5000])
-            tracking.end_run(run.tracking_uri, run_id, "FAILED")
-            run.write_state(run_id, "diverged")
-        raise
-    finally:
-        distribute.cleanup_dir(plan, writable_checkpoint_dir)
-
-    result = run.result(config, run_id, checkpoint_callback.index, checkpoint_callback.history)
-    if plan.is_chief:
-        _finish(run, run_id, checkpoint_callback.history, result)
-    return result
 
 
-def _finish(run: _Run, run_id: str, history: dict[str, list], result: TrainResult) -> None:
+def _finish(job: TrainingJob, run_id: str, history: dict[str, list], result: TrainResult) -> None:
     """Training curves into the run dir and MLflow, then the run is marked complete."""
     import mlflow
 
-    plot_path = plot_training_curves(history, run.directory / PLOT_NAME)
-    with tracking.use_run(run.tracking_uri, run_id):
+    plot_path = plot_training_curves(history, job.run.plot_path)
+    with tracking.use_run(job.tracking_uri, run_id):
         mlflow.log_artifact(str(plot_path))
-        mlflow.log_artifact(str(run.history_path))
-    run.write_state(run_id, "completed", result)
-
-
-def _fit(model, config, run_id, tracking_uri, train_dataset, validation_dataset, steps_per_epoch,
-         initial_epoch, callbacks) -> None:
-    """model.fit inside the MLflow run (for system metrics) on the chief; plain fit elsewhere."""
-    fit = lambda: model.fit(  # noqa: E731
-        train_dataset, epochs=config.train.epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch,
-        validation_data=validation_dataset, callbacks=callbacks, verbose=_console_verbosity(), shuffle=False,
-    )
-    if run_id is None:
-        fit()
-        return
-    import mlflow
-
-    # Ended FINISHED on success; FAILED on any exception (a SIGKILL leaves it RUNNING until resumed).
-    with tracking.tracking_uri_scope(tracking_uri):
-        with mlflow.start_run(run_id=run_id, log_system_metrics=config.tracking.system_metrics):
-            fit()
+        mlflow.log_artifact(str(job.run.history_path))
+    job.run.write_state(job.key, run_id, job.tracking_uri, "completed", result)

@@ -5,14 +5,16 @@
     python flows/pipeline.py --source URL --sha256 HEX --until data --workdir /scratch/cifar
 
 Runs without a server (Prefect's ephemeral mode) or, deployed from prefect.yaml, on a worker. Every
-stage is a cached task: running the same command twice re-does nothing expensive, `--refresh`
-recomputes everything, `--fresh` trains from scratch instead of resuming. The end of every run is
-`WORKDIR/summary.json` and a markdown report artifact.
+stage reuses its finished output when its key is unchanged (`cifar.reuse`: the content it reads, the
+settings that shape it, the code it runs), so running the same command twice re-does nothing
+expensive; `--refresh` recomputes everything, `--fresh` trains from scratch instead of resuming.
+The end of every run is `WORKDIR/summary.json` (with the resolved config) and a markdown report.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import sys
@@ -28,6 +30,7 @@ from pydantic import ValidationError  # noqa: E402
 
 from cifar.config import PRESETS, STAGES, PipelineConfig, Stage, make_config, resolve_workdir  # noqa: E402
 from tasks.artifacts import mlflow_run_url, publish_report, write_summary  # noqa: E402
+from tasks import faults  # noqa: E402
 from tasks.caching import result_storage  # noqa: E402
 from tasks.data import download_archive, prepare_dataset  # noqa: E402
 from tasks.evaluation import evaluate_model, export_model, register_model  # noqa: E402
@@ -49,11 +52,17 @@ class Stages:
 
     def _bind(self, task, refresh: bool):
         configured = task.with_options(result_storage=self.storage, refresh_cache=True if refresh else None)
+        forwards_refresh = "refresh" in inspect.signature(task.fn).parameters  # The library recomputes too.
 
         def run(*args):
-            state = configured(*args, return_state=True)
-            self.states[task.name] = state.name
-            return state.result()  # Raises the task's real error when it failed.
+            faults.kill_before(task.name)
+            keywords = {"refresh": refresh} if forwards_refresh else {}
+            state = configured(*args, **keywords, return_state=True)
+            result = state.result()  # Raises the task's real error when it failed.
+            # "Reused": the task ran, and the library found the stage's finished output under its key.
+            self.states[task.name] = "Reused" if state.name == "Completed" and getattr(result, "reused", False) \
+                else state.name
+            return result
 
         return run
 
@@ -105,30 +114,38 @@ def cifar_pipeline(
     config = with_preset(config)
     workdir = str(resolve_workdir(workdir))
     stages = Stages(workdir, refresh=refresh, fresh=not config.train.resume)
-    summary: dict[str, Any] = {"preset": config.preset, "until": until, "workdir": workdir}
+    summary: dict[str, Any] = {"preset": config.preset, "until": until, "workdir": workdir,
+                               "config": config.model_dump(mode="json"), "keys": {}}
 
     archive = stages.download(config, workdir)
     dataset = stages.prepare(config, archive, workdir)
     summary |= {"source": archive.source, "source_sha256": archive.sha256, "data_dir": dataset.data_dir,
                 "manifest": dataset.manifest_path, "counts": dataset.counts}
+    summary["keys"]["data"] = dataset.key
 
     if reaches(until, "train"):
         training = stages.train(config, dataset, workdir)
-        summary |= training.model_dump(exclude={"fingerprint"})
+        summary |= training.model_dump(exclude={"key", "reused"})
+        summary["keys"]["train"] = training.key
         summary["mlflow_run_url"] = mlflow_run_url(training.tracking_uri, training.mlflow_run_id)
 
     if reaches(until, "evaluate"):
         evaluation = stages.evaluate(config, dataset, training, workdir)
-        summary |= evaluation.model_dump(exclude={"fingerprint", "epoch"}) | {"evaluated_epoch": evaluation.epoch}
+        summary |= evaluation.model_dump(include={"test_accuracy", "test_loss", "flip_tta_accuracy", "tta_accuracy",
+                                                  "metrics_path", "predictions_path"})
+        summary |= {"evaluated_epoch": evaluation.epoch}
+        summary["keys"]["evaluate"] = evaluation.key
 
     if reaches(until, "export"):
         export = stages.export(config, dataset, training, evaluation, workdir)
         summary |= {"export_dir": export.export_dir, "export_version": export.version,
                     "verified_accuracy": export.verified_accuracy}
+        summary["keys"]["export"] = export.key
         if config.export.register_model:
             promotion = stages.register(config, training, evaluation, export)
-            summary |= promotion.model_dump(exclude={"export_fingerprint", "test_accuracy", "reason"})
+            summary |= promotion.model_dump(exclude={"key", "reused", "test_accuracy", "reason"})
             summary["promotion_reason"] = promotion.reason
+            summary["keys"]["register"] = promotion.key
 
     summary["task_states"] = stages.states
     summary["summary_path"] = write_summary(summary, workdir)

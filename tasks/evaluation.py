@@ -2,113 +2,56 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pathlib import Path
 
+from cifar.checkpoints import index_digest
 from cifar.config import PipelineConfig
-from cifar.results import ExportResult
-from tasks.caching import fingerprint, stage_key, stage_task
-from tasks.data import Dataset
-from tasks.training import Training
+from cifar.evaluate import find_evaluation
+from cifar.results import DataResult, EvaluationResult, ExportResult, PromotionResult, TrainResult
+from cifar.reuse import evaluation_key, export_key, registration_key
+from cifar.workdir import find_export
+from tasks.caching import stage_task
 
 
-class Evaluation(BaseModel):
-    """Test metrics of the chosen checkpoint and where its files are."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    epoch: int
-    test_accuracy: float
-    test_loss: float
-    flip_tta_accuracy: float | None = None
-    tta_accuracy: float | None = None
-    metrics_path: str
-    predictions_path: str
-    fingerprint: str
-
-
-class Export(ExportResult):
-    """A published, verified SavedModel version."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    fingerprint: str
-
-
-class Promotion(BaseModel):
-    """The registry's answer: the version registered and whether it became the champion."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    registered_model_version: int | None
-    champion: bool
-    test_accuracy: float
-    champion_accuracy_before: float | None = None
-    champion_version_before: int | None = None
-    model_uri: str | None = None
-    reason: str
-    export_fingerprint: str  # The export it registered: a new export is a new registration.
-
-
-def evaluation_key(config: PipelineConfig, dataset: Dataset, training: Training, **_) -> str:
-    return stage_key("evaluate", config, {"manifest_sha256": dataset.manifest_sha256,
-                                          "checkpoints": training.fingerprint, "run_id": training.mlflow_run_id})
-
-
-def evaluation_is_valid(evaluation: Evaluation) -> bool:
-    return fingerprint([evaluation.metrics_path, evaluation.predictions_path]) == evaluation.fingerprint
-
-
-def export_key(config: PipelineConfig, dataset: Dataset, training: Training, evaluation: Evaluation, **_) -> str:
-    return stage_key("export", config, {"manifest_sha256": dataset.manifest_sha256,
-                                        "checkpoints": training.fingerprint, "epoch": evaluation.epoch,
-                                        "test_accuracy": evaluation.test_accuracy})
-
-
-def export_is_valid(export: Export) -> bool:
-    return fingerprint([export.export_dir]) == export.fingerprint
-
-
-def promotion_key(config: PipelineConfig, training: Training, evaluation: Evaluation, export: Export, **_) -> str:
-    return stage_key("register", config, {"export": export.fingerprint, "export_dir": export.export_dir,
-                                          "test_accuracy": evaluation.test_accuracy,
-                                          "tracking_uri": training.tracking_uri})
-
-
-def promotion_is_valid(promotion: Promotion) -> bool:
-    return True  # Its key already holds the export's fingerprint; a registered version stays registered.
-
-
-@stage_task("evaluate", key_fn=evaluation_key, is_valid=evaluation_is_valid)
-def evaluate_model(config: PipelineConfig, dataset: Dataset, training: Training, workdir: str) -> Evaluation:
+@stage_task(
+    "evaluate",
+    key_fn=lambda config, dataset, training, **_: evaluation_key(config, dataset.key,
+                                                                 index_digest(training.checkpoint_dir)),
+    is_valid=lambda result: find_evaluation(Path(result.metrics_path).parent, result.key) is not None,
+)
+def evaluate_model(config: PipelineConfig, dataset: DataResult, training: TrainResult, workdir: str,
+                   refresh: bool = False) -> EvaluationResult:
     """Evaluates the best checkpoint (by validation accuracy) on the test split."""
     from cifar.evaluate import evaluate
 
-    result = evaluate(config, dataset.data_dir, training.checkpoint_dir, workdir,
-                      mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri)
-    return Evaluation(**result.model_dump(),
-                      fingerprint=fingerprint([result.metrics_path, result.predictions_path]))
+    return evaluate(config, dataset.data_dir, training.checkpoint_dir, workdir, refresh=refresh,
+                    mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri)
 
 
-@stage_task("export", key_fn=export_key, is_valid=export_is_valid)
-def export_model(config: PipelineConfig, dataset: Dataset, training: Training, evaluation: Evaluation,
-                 workdir: str) -> Export:
-    """Exports the evaluated checkpoint as the next verified SavedModel version (never overwrites one)."""
+@stage_task(
+    "export",
+    key_fn=lambda config, evaluation, **_: export_key(config, evaluation.key),
+    is_valid=lambda result: find_export(Path(result.export_dir).parent, result.key) is not None,
+)
+def export_model(config: PipelineConfig, dataset: DataResult, training: TrainResult, evaluation: EvaluationResult,
+                 workdir: str, refresh: bool = False) -> ExportResult:
+    """Exports the evaluated checkpoint as a verified SavedModel version (an earlier one of the same key is kept)."""
     from cifar.export import export_model as export_saved_model
 
-    result = export_saved_model(config, dataset.data_dir, training.checkpoint_dir, workdir,
-                                epoch=evaluation.epoch, expected_accuracy=evaluation.test_accuracy,
-                                mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri)
-    return Export(**result.model_dump(), fingerprint=fingerprint([result.export_dir]))
+    return export_saved_model(config, dataset.data_dir, training.checkpoint_dir, workdir, evaluation, refresh=refresh,
+                              mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri)
 
 
-# No task retries: a second attempt could register the same export twice, and the MLflow client
-# already retries its HTTP requests.
-@stage_task("register", key_fn=promotion_key, is_valid=promotion_is_valid)
-def register_model(config: PipelineConfig, training: Training, evaluation: Evaluation, export: Export) -> Promotion:
+# No task retries: registration is idempotent per export, and the MLflow client retries its HTTP requests.
+@stage_task(
+    "register",
+    key_fn=lambda config, training, export, **_: registration_key(config, export.key, training.tracking_uri),
+    is_valid=lambda result: True,  # A registered version and its recorded decision stay in the registry.
+)
+def register_model(config: PipelineConfig, training: TrainResult, evaluation: EvaluationResult,
+                   export: ExportResult) -> PromotionResult:
     """Registers the export in MLflow and moves the champion alias only if it passes the gate."""
     from cifar.registry import register_and_promote
 
-    export_result = ExportResult.model_validate(export.model_dump(include=set(ExportResult.model_fields)))
-    result = register_and_promote(config, export_result, evaluation.test_accuracy,
-                                  mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri)
-    return Promotion(**result.model_dump(), export_fingerprint=export.fingerprint)
+    return register_and_promote(config, export, evaluation.test_accuracy, mlflow_run_id=training.mlflow_run_id,
+                                tracking_uri=training.tracking_uri)

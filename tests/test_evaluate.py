@@ -16,7 +16,8 @@ from cifar.config import DataConfig, make_config
 from cifar.data.manifest import load_manifest
 from cifar.data.prepare import prepare_data
 from cifar.data.synthetic import CLASS_NAMES
-from cifar.evaluate import center_crop, confusion_matrix, evaluate, load_split, per_class_metrics
+from cifar.evaluate import confusion_matrix, evaluate, load_split, per_class_metrics
+from cifar.input_pipeline import center_crop
 from cifar.models import build_model, input_size
 
 from conftest import TEST_EXAMPLES

@@ -40,11 +40,12 @@ def setup(python_archive, tmp_path_factory) -> dict:
     return found
 
 
-def export(setup, model_name: str, **overrides):
+def export(setup, model_name: str, *, refresh: bool = True, **evaluation_fields):
+    """Exports a model's evaluated checkpoint; `evaluation_fields` alter what the evaluation claims."""
     entry = setup[model_name]
-    arguments = {"epoch": entry["evaluation"].epoch, "expected_accuracy": entry["evaluation"].test_accuracy,
-                 "mlflow_run_id": None, "tracking_uri": None, **overrides}
-    return export_model(entry["config"], setup["data_dir"], entry["checkpoint_dir"], setup["workdir"], **arguments)
+    evaluation = entry["evaluation"].model_copy(update=evaluation_fields)
+    return export_model(entry["config"], setup["data_dir"], entry["checkpoint_dir"], setup["workdir"], evaluation,
+                        refresh=refresh, mlflow_run_id=None, tracking_uri=None)
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "tutorial"])
@@ -115,6 +116,19 @@ def test_interrupted_export_leaves_no_half_version_and_numbering_continues(setup
     assert not stale.exists()
 
 
+def test_an_export_of_the_same_key_is_found_not_made_again(setup):
+    root = setup["workdir"] / "export" / "cifar10"
+    first = export(setup, "tutorial")
+    listing = exported_versions(root)
+    again = export(setup, "tutorial", refresh=False)
+    assert again.reused and again.version == first.version and again.export_dir == first.export_dir
+    assert again.model_dump(exclude={"reused"}) == first.model_dump(exclude={"reused"})
+    assert exported_versions(root) == listing
+    # Another evaluation (another key) is another version.
+    other = export(setup, "tutorial", refresh=False, key="another-evaluation")
+    assert not other.reused and other.version == max(int(name) for name in listing) + 1
+
+
 def test_export_that_does_not_reproduce_the_accuracy_is_rejected(setup):
     root = setup["workdir"] / "export" / "cifar10"
     listing = exported_versions(root)
@@ -122,9 +136,9 @@ def test_export_that_does_not_reproduce_the_accuracy_is_rejected(setup):
     wrong = (evaluation.correct + 1) / evaluation.num_examples if evaluation.correct < evaluation.num_examples \
         else (evaluation.correct - 1) / evaluation.num_examples
     with pytest.raises(ExportVerificationError):
-        export(setup, "tiny", expected_accuracy=wrong)
+        export(setup, "tiny", test_accuracy=wrong)
     assert exported_versions(root) == listing
     with pytest.raises(ValueError):
-        export(setup, "tiny", expected_accuracy=0.123456789)
+        export(setup, "tiny", test_accuracy=0.123456789)
     with pytest.raises(ValueError):
         export(setup, "tiny", epoch=99)

@@ -17,7 +17,8 @@ from cifar.data import prepare as prepare_module
 from cifar.data.archive import CorruptArchiveError
 from cifar.data.download import ChecksumMismatchError
 from cifar.data.manifest import load_manifest
-from cifar.data.prepare import IncompleteDataError, data_key, prepare_data, verify_data_dir
+from cifar.data.prepare import IncompleteDataError, prepare_data, verify_data_dir
+from cifar.reuse import data_key
 from cifar.data.synthetic import CLASS_NAMES, source_arrays
 from cifar.data.validate import InvalidDatasetError
 from cifar.io import file_digests
@@ -48,7 +49,7 @@ def test_prepare_writes_shards_manifest_and_statistics(python_archive, tmp_path)
     assert result.counts == {"train": 400, "validation": 100, "test": 200}
     data_dir = Path(result.data_dir)
     digests = file_digests(python_archive)
-    assert data_dir == tmp_path / "data" / f"cifar10-{data_key(digests['sha256'], _config(python_archive))}"
+    assert data_dir == tmp_path / "data" / f"cifar10-{data_key(_config(python_archive), digests['sha256'])}"
     assert result.source_sha256 == digests["sha256"]
     assert result.manifest_path == str(data_dir / "manifest.json")
 
@@ -97,10 +98,10 @@ def test_binary_and_python_layouts_give_the_same_shards(python_archive, binary_a
 
 def test_settings_change_the_key_and_the_directory(python_archive, tmp_path):
     digest = "a" * 64
-    assert data_key(digest, _config(python_archive)) == data_key(digest, _config("elsewhere"))
-    assert data_key(digest, _config(python_archive)) != data_key(digest, _config(python_archive, validation_size=50))
-    assert data_key(digest, _config(python_archive)) != data_key("b" * 64, _config(python_archive))
-    assert data_key(digest, _config(python_archive)) != data_key(digest, _config(python_archive, train_shards=5))
+    assert data_key(_config(python_archive), digest) == data_key(_config("elsewhere"), digest)
+    assert data_key(_config(python_archive), digest) != data_key(_config(python_archive, validation_size=50), digest)
+    assert data_key(_config(python_archive), digest) != data_key(_config(python_archive), "b" * 64)
+    assert data_key(_config(python_archive), digest) != data_key(_config(python_archive, train_shards=5), digest)
     first = prepare_data(_config(python_archive), tmp_path)
     second = prepare_data(_config(python_archive, validation_size=0), tmp_path)
     assert second.reused is False and second.data_dir != first.data_dir
@@ -163,11 +164,11 @@ def test_verify_data_dir_catches_a_changed_byte(python_archive, tmp_path):
         verify_data_dir(data_dir)
 
 
-def test_a_directory_from_other_settings_is_not_reused(python_archive, tmp_path):
+def test_a_directory_made_under_another_key_is_not_reused(python_archive, tmp_path):
     first = prepare_data(_config(python_archive), tmp_path)
     manifest_path = Path(first.manifest_path)
     manifest = json.loads(manifest_path.read_text())
-    manifest["settings"]["validation_size"] = 7  # As if another version wrote this directory.
+    manifest["key"] = "0123456789abcdef"  # As if other settings or other code wrote this directory.
     manifest_path.write_text(json.dumps(manifest))
     assert prepare_data(_config(python_archive), tmp_path).reused is False
 

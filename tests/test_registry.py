@@ -24,11 +24,16 @@ def exported(python_archive, tmp_path_factory) -> dict:
     config = make_config("default", {"train": {"model": "tiny"}, "evaluate": {"flip_tta": False},
                                      "tracking": {"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}"}})
     evaluation = evaluate(config, data_dir, checkpoint_dir, workdir, mlflow_run_id=None, tracking_uri=None)
-    result = export_model(config, data_dir, checkpoint_dir, workdir, epoch=evaluation.epoch,
-                          expected_accuracy=evaluation.test_accuracy, mlflow_run_id=None, tracking_uri=None)
+    result = export_model(config, data_dir, checkpoint_dir, workdir, evaluation, mlflow_run_id=None,
+                          tracking_uri=None)
     images, _ = load_split(data_dir, "test")
     return {"workdir": workdir, "config": config, "export": result, "images": images,
             "tracking_uri": config.tracking.tracking_uri}
+
+
+def as_export(exported: dict, number: int):
+    """The fixture's export under a key of its own: each registration below stands for another export."""
+    return exported["export"].model_copy(update={"key": f"export-{number}"})
 
 
 def new_run(tracking_uri: str, workdir) -> str:
@@ -45,7 +50,7 @@ def test_gate_promotes_first_and_better_models_and_keeps_the_champion_against_wo
     images = exported["images"][:3]
 
     first_run = new_run(tracking_uri, workdir)
-    first = register_and_promote(config, exported["export"], 0.50, mlflow_run_id=first_run,
+    first = register_and_promote(config, as_export(exported, 1), 0.50, mlflow_run_id=first_run,
                                  tracking_uri=tracking_uri, input_example=images)
     assert first.registered_model_version == 1 and first.champion and first.champion_accuracy_before is None
     assert int(client.get_model_version_by_alias("cifar10", CHAMPION_ALIAS).version) == 1
@@ -53,14 +58,14 @@ def test_gate_promotes_first_and_better_models_and_keeps_the_champion_against_wo
     run = client.get_run(first_run)
     assert run.data.tags["promotion.champion"] == "true" and run.data.metrics["promotion_test_accuracy"] == 0.5
 
-    worse = register_and_promote(config, exported["export"], 0.40, mlflow_run_id=new_run(tracking_uri, workdir),
+    worse = register_and_promote(config, as_export(exported, 2), 0.40, mlflow_run_id=new_run(tracking_uri, workdir),
                                  tracking_uri=tracking_uri, input_example=images)
     assert worse.registered_model_version == 2 and not worse.champion
     assert worse.champion_accuracy_before == 0.5 and "keeping the champion v1" in worse.reason
     assert int(client.get_model_version_by_alias("cifar10", CHAMPION_ALIAS).version) == 1
 
     better_run = new_run(tracking_uri, workdir)
-    better = register_and_promote(config, exported["export"], 0.60, mlflow_run_id=better_run,
+    better = register_and_promote(config, as_export(exported, 3), 0.60, mlflow_run_id=better_run,
                                   tracking_uri=tracking_uri, input_example=images)
     assert better.registered_model_version == 3 and better.champion and better.champion_accuracy_before == 0.5
     assert int(client.get_model_version_by_alias("cifar10", CHAMPION_ALIAS).version) == 3
@@ -69,11 +74,11 @@ def test_gate_promotes_first_and_better_models_and_keeps_the_champion_against_wo
     assert run.data.tags["registry.model_version"] == "3"
 
     strict = config.model_copy(update={"export": config.export.model_copy(update={"min_accuracy": 0.99})})
-    below_minimum = register_and_promote(strict, exported["export"], 0.70, mlflow_run_id=new_run(tracking_uri, workdir),
+    below_minimum = register_and_promote(strict, as_export(exported, 4), 0.70, mlflow_run_id=new_run(tracking_uri, workdir),
                                          tracking_uri=tracking_uri, input_example=images)
     assert not below_minimum.champion and "min_accuracy" in below_minimum.reason
     unregistered = config.model_copy(update={"export": config.export.model_copy(update={"register_model": False})})
-    skipped = register_and_promote(unregistered, exported["export"], 0.90, mlflow_run_id=new_run(tracking_uri, workdir),
+    skipped = register_and_promote(unregistered, as_export(exported, 5), 0.90, mlflow_run_id=new_run(tracking_uri, workdir),
                                    tracking_uri=tracking_uri, input_example=images)
     assert skipped.registered_model_version is None and not skipped.champion and skipped.model_uri
     assert int(client.get_model_version_by_alias("cifar10", CHAMPION_ALIAS).version) == 3
@@ -86,6 +91,29 @@ def test_gate_promotes_first_and_better_models_and_keeps_the_champion_against_wo
     np.testing.assert_array_equal(predictions["class_ids"], expected["class_ids"])
     np.testing.assert_allclose(predictions["probabilities"], expected["probabilities"], atol=1e-6)
     assert loaded.metadata.get_input_schema() is not None and loaded.metadata.get_output_schema() is not None
+
+
+def test_registering_an_export_again_returns_its_version_and_decision(exported):
+    tracking_uri, workdir, config = exported["tracking_uri"], exported["workdir"], exported["config"]
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    export = exported["export"].model_copy(update={"key": "export-registered-twice"})
+    first = register_and_promote(config, export, 0.55, mlflow_run_id=new_run(tracking_uri, workdir),
+                                 tracking_uri=tracking_uri)
+    count = len(client.search_model_versions("name = 'cifar10'"))
+    again = register_and_promote(config, export, 0.55, mlflow_run_id=new_run(tracking_uri, workdir),
+                                 tracking_uri=tracking_uri)
+    assert again.reused and again.model_dump(exclude={"reused"}) == first.model_dump(exclude={"reused"})
+    assert len(client.search_model_versions("name = 'cifar10'")) == count
+
+    # An attempt that registered the version and died before the gate decided: the decision is taken now.
+    version = str(first.registered_model_version)
+    for tag in ("promotion.champion", "promotion.reason"):
+        client.delete_model_version_tag("cifar10", version, tag)
+    decided = register_and_promote(config, export, 0.55, mlflow_run_id=new_run(tracking_uri, workdir),
+                                   tracking_uri=tracking_uri)
+    assert not decided.reused and decided.registered_model_version == first.registered_model_version
+    assert client.get_model_version("cifar10", version).tags["promotion.champion"] in ("true", "false")
+    assert len(client.search_model_versions("name = 'cifar10'")) == count
 
 
 def test_promotion_decision_rules():

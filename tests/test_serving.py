@@ -32,8 +32,8 @@ def test_mlflow_models_serve_answers_like_the_saved_model(python_archive, tmp_pa
     config = make_config("default", {"train": {"model": "tiny"}, "evaluate": {"flip_tta": False},
                                      "tracking": {"tracking_uri": tracking_uri}})
     evaluation = evaluate(config, data_dir, checkpoint_dir, workdir, mlflow_run_id=None, tracking_uri=None)
-    exported = export_model(config, data_dir, checkpoint_dir, workdir, epoch=evaluation.epoch,
-                            expected_accuracy=evaluation.test_accuracy, mlflow_run_id=None, tracking_uri=None)
+    exported = export_model(config, data_dir, checkpoint_dir, workdir, evaluation, mlflow_run_id=None,
+                            tracking_uri=None)
     images, _ = load_split(data_dir, "test")
     promotion = register_and_promote(config, exported, evaluation.test_accuracy, mlflow_run_id=None,
                                      tracking_uri=None, input_example=images[:2])

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from cifar import schedules
-from cifar.callbacks import TrainingDivergedError, append_epoch, updated_index
-from cifar.checkpoints import CheckpointEntry, CheckpointIndex, load_eval_model, load_index
+from cifar.callbacks import TrainingDivergedError
+from cifar.checkpoints import CheckpointEntry, CheckpointIndex, append_epoch, load_eval_model, load_index, updated_index
 from cifar.config import DataConfig, make_config
 from cifar.data.prepare import prepare_data
 from cifar.models import build_model
+from cifar.reuse import training_key
 from cifar.train import TrainResult, add_weight_decay, default_run_name, train
 from cifar.train_plots import plot_training_curves
 
@@ -91,7 +92,8 @@ def test_tiny_model_learns_checkpoints_and_logs_one_mlflow_run(data_dir, tmp_pat
 
     # A completed run re-invoked returns its result without training.
     again: list[dict] = []
-    assert train(config, data_dir, tmp_path, epoch_callback=again.append) == result
+    reused = train(config, data_dir, tmp_path, epoch_callback=again.append)
+    assert reused.reused and reused.model_dump(exclude={"reused"}) == result.model_dump(exclude={"reused"})
     assert again == []
     assert len(client.search_runs([experiment.experiment_id])) == 1
 
@@ -137,14 +139,17 @@ def test_batch_larger_than_the_training_split_is_rejected(data_dir, tmp_path):
 
 
 def test_default_run_name_is_stable_and_ignores_resume_and_run_name():
+    def name_of(config, data="data-a"):
+        return default_run_name(config.train.model, training_key(config, data))
+
     base = tiny_config(epochs=3)
-    name = default_run_name(base, "data-a")
+    name = name_of(base)
     assert name.startswith("tiny-")
-    assert default_run_name(tiny_config(epochs=3, resume=False, run_name="custom"), "data-a") == name
-    assert default_run_name(tiny_config(epochs=4), "data-a") != name
-    assert default_run_name(base, "data-b") != name
-    assert default_run_name(make_config("default", {"seed": 1, "train": {**TINY, "epochs": 3},
-                                                    "tracking": {"system_metrics": False}}), "data-a") != name
+    assert name_of(tiny_config(epochs=3, resume=False, run_name="custom")) == name
+    assert name_of(tiny_config(epochs=4)) != name
+    assert name_of(base, "data-b") != name
+    assert name_of(make_config("default", {"seed": 1, "train": {**TINY, "epochs": 3},
+                                           "tracking": {"system_metrics": False}})) != name
 
 
 def test_schedules_follow_their_recipes():

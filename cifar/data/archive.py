@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
+from cifar.data.manifest import IMAGE_BYTES
 from cifar.data.validate import InvalidDatasetError, validate_batch, validate_class_names
 from cifar.io import atomic_directory
 
@@ -55,8 +56,7 @@ MAX_MEMBER_BYTES = 512 * 2**20  # The largest official member is ~31 MB; anythin
 MAX_TOTAL_BYTES = 2 * 2**30  # The official archives unpack to ~180 MB; this bounds a decompression bomb.
 MAX_MEMBERS = 1_000  # The official archives hold 9 members; tarfile keeps every header in memory.
 NUM_TRAIN_BATCHES = 5
-ROW_BYTES = 3072  # 32 x 32 pixels x 3 channels.
-BINARY_RECORD_BYTES = 1 + ROW_BYTES  # One label byte, then the pixels.
+BINARY_RECORD_BYTES = 1 + IMAGE_BYTES  # One label byte, then the pixels.
 GZIP_MAGIC = b"\x1f\x8b"
 STREAM_BUFFER_BYTES = 1 << 20  # tarfile's default 10 KiB reads cost ~15% more CPU on the 170 MB archive.
 # What a truncated or damaged archive raises, from tarfile, zlib, gzip or ISA-L.

@@ -30,12 +30,11 @@ import numpy as np
 
 from cifar.config import DataConfig
 from cifar.data.archive import RawDataset
-from cifar.data.manifest import NUM_CLASSES, Shard, Split
+from cifar.data.manifest import IMAGE_BYTES, NUM_CLASSES, Shard, Split
 
 logger = logging.getLogger("cifar.data")
 
 SPLITS = ("train", "validation", "test")
-IMAGE_BYTES = 32 * 32 * 3
 MAX_WRITER_THREADS = 4  # File writes and hashlib release the GIL, so a few shards can be written at once.
 
 ShardCallback = Callable[[str, Shard], None]

@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import re
+import socket
 import ssl
 import time
 import urllib.error
@@ -36,10 +37,9 @@ import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from pydantic import BaseModel, ConfigDict
-
 from cifar.config import OFFICIAL_MD5_BY_URL
-from cifar.io import file_digests
+from cifar.io import file_digests, normalise_digest
+from cifar.results import ArchiveInfo
 
 logger = logging.getLogger("cifar.data.download")
 
@@ -53,20 +53,8 @@ CALLBACK_EVERY_FRACTION = 0.01  # The progress callback sees at most ~100 update
 CALLBACK_EVERY_BYTES_UNKNOWN_TOTAL = 1 << 20  # Without a Content-Length, one update per MiB.
 RETRYABLE_STATUSES = frozenset({408, 429})  # Plus every 5xx.
 USER_AGENT = "cifar-pipeline/0.1 (+urllib)"
-HEX_LENGTHS = {"sha256": 64, "md5": 32}
 # Failures of the connection rather than of the local disk; HTTPError (a URLError) is handled first.
 NETWORK_ERRORS = (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, ssl.SSLError)
-
-
-class ArchiveInfo(BaseModel):
-    """A verified archive: where it is, its digests, and the source the caller asked for."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    path: str  # Absolute path of the verified archive.
-    sha256: str
-    md5: str
-    source: str  # What the caller passed.
 
 
 class ChecksumMismatchError(ValueError):
@@ -111,7 +99,7 @@ def fetch_archive(
     if not source:
         raise ValueError("source is empty: pass an http(s) URL, a file:// URL or a local path")
     _check_settings(retries, backoff_seconds, timeout_seconds)
-    expected = {"sha256": _normalise_digest("sha256", sha256), "md5": _normalise_digest("md5", md5)}
+    expected = {"sha256": normalise_digest("sha256", sha256), "md5": normalise_digest("md5", md5)}
     expected = {algorithm: digest for algorithm, digest in expected.items() if digest is not None}
 
     scheme = urllib.parse.urlsplit(source).scheme.lower()
@@ -152,17 +140,6 @@ def _check_settings(retries: int, backoff_seconds: float, timeout_seconds: float
         raise ValueError(f"backoff_seconds must be >= 0, got {backoff_seconds}")
     if timeout_seconds <= 0:
         raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds}")
-
-
-def _normalise_digest(algorithm: str, digest: str | None) -> str | None:
-    """Lower-cased hex digest, or a ValueError when it cannot be a digest of that algorithm."""
-    if digest is None:
-        return None
-    value = digest.strip().lower()
-    length = HEX_LENGTHS[algorithm]
-    if not re.fullmatch(rf"[0-9a-f]{{{length}}}", value):
-        raise ValueError(f"{algorithm} must be {length} hex characters, got {digest!r}")
-    return value
 
 
 def _verify(path: Path, source: str, expected: dict[str, str]) -> dict[str, str]:
@@ -339,7 +316,12 @@ class _Transfer:
             if isinstance(reason, ssl.SSLCertVerificationError):
                 # An untrusted certificate will not fix itself by retrying.
                 raise DownloadError(f"download of {self.url} failed: {reason}") from error
-            # Connection refused or reset, DNS failure, timeout, truncated body: all worth a retry.
+            if isinstance(reason, socket.gaierror):
+                # Neither will a host name that does not resolve (a typo, or no network at all).
+                raise DownloadError(f"download of {self.url} failed: host {urllib.parse.urlsplit(self.url).hostname!r} "
+                                    f"not found ({reason.strerror}); check the URL and the network, or pass a "
+                                    "local copy as the source") from error
+            # Connection refused or reset, timeout, truncated body: all worth a retry.
             # Local file errors (a full disk) are plain OSErrors and propagate unchanged.
             raise _RetryableError(f"{type(error).__name__}: {reason}") from error
 

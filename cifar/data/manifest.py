@@ -18,7 +18,10 @@ from cifar.io import atomic_write_json, read_json
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 IMAGE_SHAPE = (32, 32, 3)
+IMAGE_BYTES = 32 * 32 * 3  # One raw image: the `image` feature, a row of the python layout.
 NUM_CLASSES = 10
+STATISTICS_FILE = "statistics.parquet"
+CLASS_HISTOGRAM_FILE = "class_histogram.parquet"
 
 
 class Shard(BaseModel):
@@ -47,6 +50,7 @@ class SourceInfo(BaseModel):
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format_version: int = FORMAT_VERSION
+    key: str | None = None  # The data stage's key (cifar.reuse.data_key), also the directory's suffix.
     source: SourceInfo
     class_names: list[str]
     image_shape: list[int] = list(IMAGE_SHAPE)
@@ -54,8 +58,8 @@ class Manifest(BaseModel):
     splits: dict[str, Split]  # "train", "validation" (may hold 0 examples), "test".
     mean: list[float]  # Per channel, 0..1 scale, training split.
     std: list[float]
-    statistics_file: str = "statistics.parquet"
-    class_histogram_file: str = "class_histogram.parquet"
+    statistics_file: str = STATISTICS_FILE
+    class_histogram_file: str = CLASS_HISTOGRAM_FILE
 
     def shard_paths(self, data_dir: str | Path, split: str) -> list[str]:
         """Absolute shard paths of a split."""

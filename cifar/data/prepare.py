@@ -3,15 +3,11 @@
     fetch (verify checksums) -> read (safe, restricted unpickler) -> validate -> convert (shards)
     -> statistics -> manifest, all into a temp directory renamed to WORKDIR/data/cifar10-<key>.
 
-`<key>` (`data_key`) hashes the archive's SHA-256, the settings that shape the shards and the format
-version. When that directory already holds a complete manifest whose shards have their recorded
-sizes, nothing is converted again; `verify_data_dir` re-hashes every shard when that cheap check is
-not enough. A partial or damaged directory is removed and rebuilt, never returned.
-
-A local archive is read on a second thread while its checksum is computed: reading is safe before
-verification (members checked, pickles restricted, nothing written) and its result is used only
-after the checksum matched. The early read is skipped when a finished directory for the same source
-and settings exists, because then the stage will most likely reuse it.
+`<key>` is the stage's key (`cifar.reuse.data_key`): the archive's SHA-256, the settings that shape
+the shards, the format version and the data code's version. When that directory already holds a
+complete manifest with that key whose shards have their recorded sizes, nothing is converted again;
+`verify_data_dir` re-hashes every shard when that cheap check is not enough. A partial or damaged
+directory is removed and rebuilt, never returned.
 """
 
 from __future__ import annotations
@@ -19,25 +15,22 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
 import time
-import urllib.parse
-import urllib.request
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
-
-from pydantic import BaseModel, ConfigDict
 
 from cifar.config import DataConfig, resolve_workdir
 from cifar.data.archive import RawDataset, read_archive
 from cifar.data.convert import SPLITS, convert_dataset
-from cifar.data.download import ArchiveInfo, fetch_archive
-from cifar.data.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, Shard, SourceInfo, load_manifest, write_manifest
+from cifar.data.download import fetch_archive
+from cifar.data.manifest import MANIFEST_NAME, Manifest, Shard, SourceInfo, load_manifest, write_manifest
 from cifar.data.stats import channel_statistics, write_class_histogram, write_statistics
 from cifar.data.validate import validate_dataset
-from cifar.io import atomic_directory, file_digest, read_json
-from cifar.workdir import data_root, downloads_dir, stable_hash
+from cifar.io import atomic_directory, file_digest
+from cifar.results import ArchiveInfo, DataResult
+from cifar.reuse import data_key, data_settings
+from cifar.workdir import data_root, downloads_dir
 
 logger = logging.getLogger("cifar.data")
 
@@ -57,33 +50,6 @@ class IncompleteDataError(ValueError):
     """A data directory is missing files, or a file differs from what its manifest records."""
 
 
-class DataResult(BaseModel):
-    """Where the data stage's output is and whether it was reused."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    data_dir: str
-    manifest_path: str
-    source_sha256: str
-    reused: bool
-    counts: dict[str, int]  # Examples per split.
-
-
-def data_settings(config: DataConfig) -> dict[str, int]:
-    """The settings that shape the shards (recorded in the manifest and hashed into the key)."""
-    return {
-        "validation_size": config.validation_size,
-        "train_shards": config.train_shards,
-        "validation_shards": config.validation_shards,
-        "test_shards": config.test_shards,
-    }
-
-
-def data_key(source_sha256: str, config: DataConfig) -> str:
-    """Stable hash of the archive digest, the shard-shaping settings and the format version."""
-    return stable_hash({"source_sha256": source_sha256, "format_version": FORMAT_VERSION, **data_settings(config)})
-
-
 class _Progress:
     """Maps (step, fraction of that step) to a fraction of the whole stage for the caller's callback."""
 
@@ -97,64 +63,46 @@ class _Progress:
 
 
 def prepare_data(
-    config: DataConfig, workdir: str | Path, progress: ProgressCallback | None = None
+    config: DataConfig,
+    workdir: str | Path,
+    archive: ArchiveInfo | None = None,
+    *,
+    refresh: bool = False,
+    progress: ProgressCallback | None = None,
 ) -> DataResult:
-    """Fetches and converts the archive into WORKDIR/data/cifar10-<key>, or reuses the finished directory.
+    """Converts the verified archive into WORKDIR/data/cifar10-<key>, or reuses the finished directory.
 
-    `progress(step, fraction)` is called with the current step name and the fraction (0..1) of the
-    whole stage done so far.
+    `archive` is the download stage's verified archive; without it the archive is fetched and
+    verified first (for a caller outside the pipeline). `refresh` rebuilds a finished directory.
+    `progress(step, fraction)` gets the current step and the fraction (0..1) of the stage done.
     """
     workdir = resolve_workdir(workdir)
     report = _Progress(progress)
-    stop = threading.Event()
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cifar-read")
-    try:
-        return _prepare(config, workdir, report, executor, stop)
-    finally:
-        # A read still running (the directory was reusable, or the checksum failed) ends at its next
-        # member in the background; nobody waits for it.
-        stop.set()
-        executor.shutdown(wait=False, cancel_futures=True)
+    archive = archive or _fetch(config, workdir, report)
+    key = data_key(config, archive.sha256)
+    data_dir = data_root(workdir) / f"cifar10-{key}"
 
-
-def _prepare(
-    config: DataConfig, workdir: Path, report: _Progress, executor: ThreadPoolExecutor, stop: threading.Event
-) -> DataResult:
-    """fetch -> reuse check -> read -> build, with a local archive read while its checksum is computed."""
-    local_path = _local_source(config.source)
-    early_read: Future[RawDataset] | None = None
-    if local_path is not None and local_path.is_file() and not _probably_built(workdir, config):
-        # Reading is safe before verification (members are checked, pickles restricted, nothing is
-        # written), so a local archive is read on a second core while the first one hashes it.
-        early_read = executor.submit(read_archive, local_path, stop=stop)
-    archive = _fetch(config, workdir, report)
-    data_dir = data_root(workdir) / f"cifar10-{data_key(archive.sha256, config)}"
-
-    manifest = _reusable_manifest(data_dir, archive.sha256, config)
+    manifest = None if refresh else reusable_manifest(data_dir, key)
     if manifest is not None:
-        logger.info("Reusing %s (same archive and settings)", data_dir)
+        logger.info("Reusing %s (same archive, settings and code)", data_dir)
         report("done", 1.0)
         return _result(data_dir, manifest, reused=True)
     if data_dir.exists():
-        logger.warning("Removing incomplete or stale data directory %s before rebuilding it", data_dir)
+        logger.warning("Removing %s before rebuilding it", data_dir)
         shutil.rmtree(data_dir)
 
     started = time.perf_counter()
     report("read", 0.0)
-    if early_read is not None and Path(archive.path) == local_path:
-        logger.info("Reading %s (started while its checksum was computed)", archive.path)
-        dataset = early_read.result()
-    else:
-        logger.info("Reading %s", archive.path)
-        dataset = read_archive(archive.path)
+    logger.info("Reading %s", archive.path)
+    dataset = read_archive(archive.path)
     logger.info("Read %s layout: %d training and %d test images",
                 dataset.layout, len(dataset.train_images), len(dataset.test_images))
     try:
         with atomic_directory(data_dir) as temp:
-            manifest = _build(temp, dataset, archive, config, report)
+            manifest = _build(temp, dataset, archive, config, key, report)
     except OSError:
         # A concurrent run may have renamed its finished directory into place first: use it.
-        manifest = _reusable_manifest(data_dir, archive.sha256, config)
+        manifest = reusable_manifest(data_dir, key)
         if manifest is None:
             raise
         logger.info("Another run finished %s first; reusing it", data_dir)
@@ -162,34 +110,6 @@ def _prepare(
     logger.info("Data stage wrote %s in %.1f s", data_dir, time.perf_counter() - started)
     report("done", 1.0)
     return _result(data_dir, manifest, reused=False)
-
-
-def _probably_built(workdir: Path, config: DataConfig) -> bool:
-    """Whether a finished directory for this source and these settings exists (the digest is not known yet).
-
-    Then the archive is most likely unchanged and will be reused, so reading it early would only compete
-    with the checksum for the CPU.
-    """
-    for manifest_path in sorted(data_root(workdir).glob(f"cifar10-*/{MANIFEST_NAME}")):
-        try:
-            manifest = read_json(manifest_path)
-            if manifest["source"]["location"] == config.source and manifest["settings"] == data_settings(config):
-                return True
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return False
-
-
-def _local_source(source: str) -> Path | None:
-    """The file a local path or file:// source names, or None for a remote URL."""
-    parts = urllib.parse.urlsplit(source.strip())
-    scheme = parts.scheme.lower()
-    if scheme == "file" and parts.netloc in {"", "localhost"}:
-        return Path(urllib.request.url2pathname(parts.path)).resolve()
-    # A one-letter "scheme" is a Windows drive letter, not a URL.
-    if scheme == "" or len(scheme) == 1:
-        return Path(source.strip()).expanduser().resolve()
-    return None
 
 
 def _fetch(config: DataConfig, workdir: Path, report: _Progress) -> ArchiveInfo:
@@ -210,7 +130,7 @@ def _fetch(config: DataConfig, workdir: Path, report: _Progress) -> ArchiveInfo:
     return archive
 
 
-def _build(output_dir: Path, dataset: RawDataset, archive: ArchiveInfo, config: DataConfig,
+def _build(output_dir: Path, dataset: RawDataset, archive: ArchiveInfo, config: DataConfig, key: str,
            report: _Progress) -> Manifest:
     """Validates, converts and summarises the dataset into `output_dir`; returns the manifest."""
     report("validate", 0.0)
@@ -236,6 +156,7 @@ def _build(output_dir: Path, dataset: RawDataset, archive: ArchiveInfo, config: 
     write_statistics(output_dir, mean, std, splits["train"].num_examples)
     write_class_histogram(output_dir, splits, dataset.class_names)
     manifest = Manifest(
+        key=key,
         source=SourceInfo(location=config.source, sha256=archive.sha256, md5=archive.md5, layout=dataset.layout),
         class_names=dataset.class_names,
         settings=data_settings(config),
@@ -265,6 +186,7 @@ def _rounded(values: list[float]) -> list[float]:
 
 def _result(data_dir: Path, manifest: Manifest, *, reused: bool) -> DataResult:
     return DataResult(
+        key=manifest.key,
         data_dir=str(data_dir),
         manifest_path=str(data_dir / MANIFEST_NAME),
         source_sha256=manifest.source.sha256,
@@ -318,8 +240,8 @@ def verify_data_dir(data_dir: str | Path) -> None:
     _check_data_dir(data_dir, check_digests=True)
 
 
-def _reusable_manifest(data_dir: Path, source_sha256: str, config: DataConfig) -> Manifest | None:
-    """The manifest of a complete directory for this archive and these settings (cheap check), else None."""
+def reusable_manifest(data_dir: str | Path, key: str) -> Manifest | None:
+    """The manifest of a complete directory made under `key` (cheap check: sizes, not digests), else None."""
     if not os.path.isdir(data_dir):
         return None
     try:
@@ -327,7 +249,7 @@ def _reusable_manifest(data_dir: Path, source_sha256: str, config: DataConfig) -
     except IncompleteDataError as error:
         logger.warning("Not reusing %s: %s", data_dir, error)
         return None
-    if manifest.source.sha256 != source_sha256 or manifest.settings != data_settings(config):
-        logger.warning("Not reusing %s: it was built from another archive or other settings", data_dir)
+    if manifest.key != key:
+        logger.warning("Not reusing %s: it was built under another key", data_dir)
         return None
     return manifest

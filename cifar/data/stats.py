@@ -13,11 +13,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from cifar.data.manifest import Split
+from cifar.data.manifest import CLASS_HISTOGRAM_FILE, STATISTICS_FILE, Split
 
 CHANNELS = ("red", "green", "blue")
-STATISTICS_FILE = "statistics.parquet"
-CLASS_HISTOGRAM_FILE = "class_histogram.parquet"
 SUM_CHUNK_PIXELS = 1 << 18  # Pixels per chunk: 256 KiB per channel plane, 512 KiB of squares.
 PIXEL_MAX = 255.0  # Statistics are on the 0..1 scale the model's normalization layer uses.
 

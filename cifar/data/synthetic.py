@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cifar.data.manifest import IMAGE_BYTES
+
 CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 NUM_TRAIN_BATCHES = 5
 PYTHON_DIR = "cifar-10-batches-py"
@@ -53,7 +55,7 @@ def _add_file(archive: tarfile.TarFile, name: str, data: bytes) -> None:
 
 def _to_rows(images: np.ndarray) -> np.ndarray:
     """(N, 32, 32, 3) HWC -> (N, 3072) rows in the official channel-major order (R plane, G, B)."""
-    return np.ascontiguousarray(images.transpose(0, 3, 1, 2).reshape(len(images), 3072))
+    return np.ascontiguousarray(images.transpose(0, 3, 1, 2).reshape(len(images), IMAGE_BYTES))
 
 
 def _python_batch(images: np.ndarray, labels: np.ndarray, name: str) -> bytes:
@@ -106,7 +108,7 @@ def build_archive(
     if layout == "python":
         files[f"{PYTHON_DIR}/test_batch"] = _python_batch(test_images, test_labels, "test_batch")
         meta = {b"num_cases_per_batch": train_per_batch, b"label_names": [n.encode() for n in CLASS_NAMES],
-                b"num_vis": 3072}
+                b"num_vis": IMAGE_BYTES}
         files[f"{PYTHON_DIR}/batches.meta"] = pickle.dumps(meta, protocol=2)
         files[f"{PYTHON_DIR}/readme.html"] = b"<html>synthetic CIFAR-10 fixture</html>\n"
     else:

@@ -11,12 +11,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cifar.config import TEST_EXAMPLES, TRAIN_EXAMPLES, DataConfig
-from cifar.data.manifest import IMAGE_SHAPE, NUM_CLASSES
+from cifar.data.manifest import IMAGE_BYTES, IMAGE_SHAPE, NUM_CLASSES
 
 if TYPE_CHECKING:
     from cifar.data.archive import RawDataset
 
-ROW_BYTES = 3072  # 32 x 32 pixels x 3 channels, one uint8 each.
 
 
 class InvalidDatasetError(ValueError):
@@ -29,8 +28,8 @@ def validate_batch(name: str, data: Any, labels: Any) -> tuple[np.ndarray, np.nd
         raise InvalidDatasetError(f"{name}: data is a {type(data).__name__}, expected a numpy array")
     if data.dtype != np.uint8:
         raise InvalidDatasetError(f"{name}: data has dtype {data.dtype}, expected uint8")
-    if data.ndim != 2 or data.shape[1] != ROW_BYTES:
-        raise InvalidDatasetError(f"{name}: data has shape {data.shape}, expected (N, {ROW_BYTES})")
+    if data.ndim != 2 or data.shape[1] != IMAGE_BYTES:
+        raise InvalidDatasetError(f"{name}: data has shape {data.shape}, expected (N, {IMAGE_BYTES})")
     labels = _label_array(name, labels)
     if len(labels) != len(data):
         raise InvalidDatasetError(f"{name}: {len(labels)} labels for {len(data)} images")

@@ -1,0 +1,108 @@
+"""Every private Keras and MLflow API the project touches, in one place, each tied to its pinned version.
+
+Public APIs cover everything else. Each function below names the version it was written against
+(constraints.txt pins keras 3.15.1 and mlflow 3.17.2) and why no public API does the job; when a
+pin moves, this file is the one to re-check (tests/test_train.py, test_distribute.py and
+test_fast_recipe.py exercise every function here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+
+def learning_rate_schedule(optimizer) -> Any:
+    """The schedule (or float) an optimizer was built with. Keras 3.15: `optimizer.learning_rate`
+    evaluates the schedule at the current step, so reading what was passed needs `_learning_rate`."""
+    return getattr(optimizer, "_learning_rate", None)
+
+
+def ema_variables(optimizer) -> tuple[list, list] | None:
+    """(trainable variables, their moving averages) of an optimizer with `use_ema`, else None.
+    Keras 3.15 keeps both lists private (`_trainable_variables`, `_model_variables_moving_average`)
+    and only swaps them wholesale through `keras.callbacks.SwapEMAWeights`."""
+    averages = getattr(optimizer, "_model_variables_moving_average", None)
+    if not getattr(optimizer, "use_ema", False) or not averages:
+        return None
+    return optimizer._trainable_variables, averages
+
+
+def variable_index(optimizer, variable) -> int:
+    """The position of `variable` in an optimizer's slot lists. Keras 3.15: `_get_variable_index`
+    is how its own optimizers' `update_step` finds a variable's slots; there is no public name."""
+    return optimizer._get_variable_index(variable)
+
+
+def build_from_sample(model, strategy, sample) -> None:
+    """Makes `model.fit` build metrics and optimizer from `sample` instead of a distributed batch.
+
+    Keras 3.15 `fit` under MultiWorkerMirroredStrategy averages the first batch across replicas
+    (`strategy.reduce("MEAN", batch)`) only to learn input shapes; across workers that is a
+    collective on uint8 images and fails ("Attempt to convert a value (PerReplica...)"). Shapes are
+    all it needs, so `_maybe_symbolic_build` is replaced by a build from a zero batch of one
+    replica's shape (`_symbolic_build`).
+    """
+    def symbolic_build(iterator=None, data_batch=None):
+        with strategy.scope():
+            model._symbolic_build(data_batch=sample)
+
+    model._maybe_symbolic_build = symbolic_build
+
+
+def patch_multi_worker_reduce() -> None:
+    """Makes Keras 3.15 average scalar step results across workers.
+
+    Its TF trainer reduces every step output under MultiWorkerMirroredStrategy with
+    `strategy.reduce("MEAN", value, axis=0)`, which fails for the scalar loss and metrics
+    ("Invalid reduction dimension 0 for input with 0 dimensions"). This wraps the private
+    `keras.src.backend.tensorflow.trainer.reduce_per_replica` so scalars are averaged with
+    `axis=None`; everything else goes to the original. Idempotent.
+    """
+    from keras.src import tree
+    from keras.src.backend.tensorflow import trainer as tensorflow_trainer
+
+    original = tensorflow_trainer.reduce_per_replica
+    if getattr(original, "_cifar_patched", False):
+        return
+
+    def reduce_per_replica(values, strategy, reduction):
+        if reduction not in ("auto", "mean") or not tensorflow_trainer._collective_all_reduce_multi_worker(strategy):
+            return original(values, strategy, reduction)
+
+        def reduce(value):
+            components = getattr(value, "values", (value,))
+            scalar = components[0].shape.rank == 0
+            return strategy.reduce("MEAN", value, axis=None if scalar else 0)
+
+        return tree.map_structure(reduce, values)
+
+    reduce_per_replica._cifar_patched = True
+    tensorflow_trainer.reduce_per_replica = reduce_per_replica
+
+
+@contextlib.contextmanager
+def mlflow_tracking_uri(tracking_uri: str) -> Iterator[None]:
+    """Points MLflow's fluent API at `tracking_uri` for the block only.
+
+    MLflow 3.17: `mlflow.set_tracking_uri` also exports `MLFLOW_TRACKING_URI`, and
+    `mlflow.get_tracking_uri` falls back to that variable, so the only way to restore the URI that
+    was set before (not a resolved default) is the private `_tracking_service.utils._tracking_uri`.
+    The previous URI and environment are restored on exit.
+    """
+    import os
+
+    import mlflow
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    previous_uri = tracking_utils._tracking_uri
+    previous_environment = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous_uri)
+        if previous_environment is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = previous_environment

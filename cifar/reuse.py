@@ -1,0 +1,133 @@
+"""The one rule for reusing work: a stage's key, and what the same key means.
+
+A stage's key hashes three things and nothing else:
+  - the content it reads: the archive's SHA-256, or the keys (and checkpoint digest) of the stages
+    before it;
+  - the config fields that shape its output (never retries, `train.resume`, later stages' fields);
+  - the code version of every project module the stage executes: the source of its entry module and
+    of every `cifar` module that one imports, transitively (found by reading the imports, so a new
+    module is counted the moment it is imported; nothing is listed by hand).
+
+Same key -> the stage returns its finished output and does no work. A different key -> the stage
+computes into a new place: a new data directory, a new training run (new MLflow run, new
+checkpoints), a new export version and registry version. `refresh` forces the computation.
+
+The stages own this rule (`cifar.data.prepare`, `cifar.train`, `cifar.evaluate`, `cifar.export`,
+`cifar.registry` store each result with its key); Prefect's cache only looks the same keys up.
+Everything here is cheap and free of TensorFlow, so a cached run never imports it.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from cifar.config import DataConfig, PipelineConfig
+from cifar.data.manifest import FORMAT_VERSION
+from cifar.workdir import stable_hash
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE = PACKAGE_DIR.name
+KEY_LENGTH = 16  # Hex characters of a stage key: 64 bits, no collision among any workdir's runs.
+
+# The module each stage runs; everything it imports from this package is found from there.
+STAGE_MODULES = {
+    "download": "cifar.data.download",
+    "data": "cifar.data.prepare",
+    "train": "cifar.train",
+    "evaluate": "cifar.evaluate",
+    "export": "cifar.export",
+    "register": "cifar.registry",
+}
+# Training fields that do not change what is trained: how to get there, and what the folder is called.
+TRAIN_FIELDS_IGNORED = {"resume", "run_name"}
+
+
+def module_path(module: str) -> Path | None:
+    """The source file of a `cifar` module or package, or None when there is none."""
+    parts = module.split(".")[1:]
+    candidates = [PACKAGE_DIR.joinpath(*parts[:-1], f"{parts[-1]}.py")] if parts else []
+    for candidate in (*candidates, PACKAGE_DIR.joinpath(*parts, "__init__.py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_modules(path: Path, module: str) -> set[str]:
+    """The `cifar` modules a source file imports anywhere (top level or inside functions)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # A relative import, resolved against this module's package.
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from cifar import io`.
+    return {name for name in found if name == PACKAGE or name.startswith(f"{PACKAGE}.")}
+
+
+def module_closure(module: str) -> dict[str, Path]:
+    """A module and every `cifar` module it imports, transitively, with their parent packages."""
+    closure: dict[str, Path] = {}
+    pending = [module]
+    while pending:
+        name = pending.pop()
+        path = module_path(name)
+        if name in closure or path is None:
+            continue
+        closure[name] = path
+        parents = [name.rsplit(".", depth)[0] for depth in range(1, name.count(".") + 1)]
+        pending.extend([*imported_modules(path, name), *parents])
+    return closure
+
+
+def code_version(stage: str) -> str:
+    """A hash of the source of every project module `stage` executes (their paths and bytes)."""
+    files = {path.relative_to(PACKAGE_DIR).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+             for path in module_closure(STAGE_MODULES[stage]).values()}
+    return stable_hash(files, KEY_LENGTH)
+
+
+def stage_key(stage: str, **material: Any) -> str:
+    """The key of `stage`: its material (content read, config fields) and its code version."""
+    return stable_hash({"stage": stage, "code": code_version(stage), **material}, KEY_LENGTH)
+
+
+def data_settings(data: DataConfig) -> dict[str, int]:
+    """The data settings that shape the shards (recorded in the manifest)."""
+    return {"validation_size": data.validation_size, "train_shards": data.train_shards,
+            "validation_shards": data.validation_shards, "test_shards": data.test_shards}
+
+
+def data_key(data: DataConfig, archive_sha256: str) -> str:
+    """The data stage: the archive's content, the shard settings, the format and the code."""
+    return stage_key("data", archive_sha256=archive_sha256, settings=data_settings(data), format=FORMAT_VERSION)
+
+
+def training_key(config: PipelineConfig, data_key: str) -> str:
+    """The training stage: the prepared data, every training field that shapes the model, the seed."""
+    train_fields = config.train.model_dump(mode="json", exclude=TRAIN_FIELDS_IGNORED)
+    return stage_key("train", data=data_key, train=train_fields, seed=config.seed)
+
+
+def evaluation_key(config: PipelineConfig, data_key: str, checkpoints_sha256: str) -> str:
+    """The evaluate stage: the test data, the checkpoints it scores (their index's digest), its settings."""
+    return stage_key("evaluate", data=data_key, checkpoints=checkpoints_sha256,
+                     evaluate=config.evaluate.model_dump(mode="json"))
+
+
+def export_key(config: PipelineConfig, evaluation_key: str) -> str:
+    """The export stage: the evaluated checkpoint (through the evaluation's key) and the model name."""
+    return stage_key("export", evaluation=evaluation_key, model_name=config.export.model_name)
+
+
+def registration_key(config: PipelineConfig, export_key: str, tracking_uri: str) -> str:
+    """The register stage: the export it registers, the gate and where the registry is."""
+    return stage_key("register", export=export_key, gate=config.export.model_dump(mode="json"),
+                     tracking_uri=tracking_uri)
