@@ -109,8 +109,7 @@ def direct_child(args) -> None:
                                                    mlflow_run_id=training.mlflow_run_id,
                                                    tracking_uri=training.tracking_uri))
     export = stage("export", lambda: export_model(config, data.data_dir, training.checkpoint_dir, workdir,
-                                                  epoch=evaluation.epoch, expected_accuracy=evaluation.test_accuracy,
-                                                  mlflow_run_id=training.mlflow_run_id,
+                                                  evaluation, mlflow_run_id=training.mlflow_run_id,
                                                   tracking_uri=training.tracking_uri))
     stage("register", lambda: register_and_promote(config, export, evaluation.test_accuracy,
                                                    mlflow_run_id=training.mlflow_run_id,

@@ -79,9 +79,8 @@ def export_once(args, data_dir: Path):
     evaluation = evaluate(config, data_dir, training.checkpoint_dir, workdir, mlflow_run_id=training.mlflow_run_id,
                           tracking_uri=training.tracking_uri)
     start = time.perf_counter()
-    export = export_model(config, data_dir, training.checkpoint_dir, workdir, epoch=evaluation.epoch,
-                          expected_accuracy=evaluation.test_accuracy, mlflow_run_id=training.mlflow_run_id,
-                          tracking_uri=training.tracking_uri)
+    export = export_model(config, data_dir, training.checkpoint_dir, workdir, evaluation, refresh=True,
+                          mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri)
     return config, training, evaluation, export, time.perf_counter() - start
 
 

@@ -131,6 +131,16 @@ def test_not_found_fails_at_once(server, downloads, digests):
     assert_nothing_written(downloads)
 
 
+def test_a_host_that_does_not_resolve_fails_at_once(downloads, digests, caplog):
+    # `.invalid` never resolves (RFC 2606), online or not: no request leaves this machine.
+    with caplog.at_level(logging.WARNING, logger="cifar.data.download"):
+        with pytest.raises(DownloadError, match="host 'cifar-mirror.invalid' not found"):
+            fetch_archive(f"http://cifar-mirror.invalid/{NAME}", downloads, sha256=digests["sha256"], retries=5,
+                          backoff_seconds=60)
+    assert not [record for record in caplog.records if "retry" in record.getMessage()]  # No retry was waited for.
+    assert_nothing_written(downloads)
+
+
 def test_forbidden_fails_at_once(server, downloads, digests):
     server.fail_next(403)
     with pytest.raises(DownloadError, match="HTTP 403"):

@@ -1,0 +1,120 @@
+"""The reuse rule end to end: `python flows/pipeline.py` in a copy of the project, as a user runs it.
+
+Editing a module a stage executes recomputes that stage and the ones after it (a new training run
+for training), an unchanged re-run reuses everything, and a run killed between export and
+registration leaves a registry that still maps versions one-to-one onto export directories.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from servers import REPO_ROOT, prefect_env
+
+pytestmark = pytest.mark.slow
+
+SMALL = ["--preset", "smoke", "--set", "train.model=tiny", "--set", "train.epochs=1", "--set", "train.batch_size=100",
+         "--set", "data.validation_size=100", "--set", "data.expect_official_counts=false",
+         "--set", "tracking.system_metrics=false"]
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A copy of the project's code, free to edit (the pipeline runs the copy: flows/ puts it first on sys.path)."""
+    copy = tmp_path / "project"
+    for name in ("cifar", "tasks", "flows"):
+        shutil.copytree(REPO_ROOT / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def run(project: Path, workdir: Path, archive: str, **env: str) -> subprocess.CompletedProcess:
+    """One pipeline run in its own process group, as a terminal would start it."""
+    return subprocess.run([sys.executable, "flows/pipeline.py", "--source", archive, "--workdir", str(workdir), *SMALL],
+                          cwd=project, env=prefect_env(workdir.parent / "prefect-home", **env), capture_output=True,
+                          text=True, timeout=600, start_new_session=True)
+
+
+def summary_of(workdir: Path) -> dict:
+    return json.loads((workdir / "summary.json").read_text())
+
+
+def registry_versions(summary: dict) -> dict[int, str]:
+    """Registered version -> the export directory it was registered from."""
+    client = mlflow.MlflowClient(tracking_uri=summary["tracking_uri"], registry_uri=summary["tracking_uri"])
+    return {int(version.version): version.tags["export_dir"]
+            for version in client.search_model_versions("name = 'cifar10'")}
+
+
+def export_dirs(workdir: Path) -> list[str]:
+    return sorted(str(path) for path in (workdir / "export" / "cifar10").iterdir())
+
+
+def test_editing_the_optimizer_trains_a_new_run_while_an_unchanged_rerun_reuses_everything(
+        project, python_archive, tmp_path):
+    workdir = tmp_path / "workdir"
+    first = run(project, workdir, python_archive)
+    assert first.returncode == 0, first.stderr[-4000:]
+    before = summary_of(workdir)
+    assert before["config"]["train"]["model"] == "tiny" and before["config"]["preset"] == "smoke"
+    assert before["config"]["train"]["epochs"] == 1 and before["config"]["train"]["steps_per_epoch"] == 60
+
+    # The data key logged to MLflow is the key in the data directory's name.
+    client = mlflow.MlflowClient(tracking_uri=before["tracking_uri"])
+    logged_key = client.get_run(before["mlflow_run_id"]).data.params["derived.data_key"]
+    assert Path(before["data_dir"]).name == f"cifar10-{logged_key}" and before["keys"]["data"] == logged_key
+
+    started = time.monotonic()
+    unchanged = run(project, workdir, python_archive)
+    seconds = time.monotonic() - started
+    assert unchanged.returncode == 0, unchanged.stderr[-4000:]
+    again = summary_of(workdir)
+    print(f"unchanged re-run: {seconds:.1f} s")  # Reported, not asserted (no timing assertions in tests).
+    assert again["task_states"] == {"download": "Completed", "prepare": "Cached", "train": "Cached",
+                                    "evaluate": "Cached", "export": "Cached", "register": "Cached"}
+    assert again["keys"] == before["keys"] and again["export_dir"] == before["export_dir"]
+
+    with open(project / "cifar" / "optimizers.py", "a") as handle:
+        handle.write("\n# An edit that changes no behaviour, but the code's version all the same.\n")
+    edited = run(project, workdir, python_archive)
+    assert edited.returncode == 0, edited.stderr[-4000:]
+    after = summary_of(workdir)
+    assert after["task_states"]["prepare"] == "Cached" and after["data_dir"] == before["data_dir"]
+    assert {name: after["task_states"][name] for name in ("train", "evaluate", "export", "register")} == {
+        "train": "Completed", "evaluate": "Completed", "export": "Completed", "register": "Completed"}
+    assert after["run_name"] != before["run_name"] and after["mlflow_run_id"] != before["mlflow_run_id"]
+    assert Path(after["checkpoint_dir"], "epoch-0001.keras").is_file()
+    assert Path(before["checkpoint_dir"], "epoch-0001.keras").is_file()  # The old run is kept, not resumed.
+    assert after["export_version"] == before["export_version"] + 1
+    assert after["registered_model_version"] == before["registered_model_version"] + 1
+
+
+def test_a_kill_between_export_and_register_leaves_the_registry_one_to_one(project, python_archive, tmp_path):
+    workdir = tmp_path / "workdir"
+    killed = run(project, workdir, python_archive, CIFAR_FAULT_KILL_BEFORE="register")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
+    assert [Path(path).name for path in export_dirs(workdir)] == ["1"]
+    assert not (workdir / "summary.json").exists()
+
+    rerun = run(project, workdir, python_archive)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    summary = summary_of(workdir)
+    assert summary["export_version"] == 1 and summary["task_states"]["register"] == "Completed"
+    assert export_dirs(workdir) == [summary["export_dir"]]  # The export was found, not made again.
+    assert registry_versions(summary) == {1: summary["export_dir"]}
+
+    # Without Prefect's records (a new worker machine, say) the library still finds both.
+    shutil.rmtree(workdir / "prefect-results")
+    final = run(project, workdir, python_archive)
+    assert final.returncode == 0, final.stderr[-4000:]
+    assert summary_of(workdir)["task_states"]["register"] == "Reused"
+    assert registry_versions(summary_of(workdir)) == {1: summary["export_dir"]}
+    assert export_dirs(workdir) == [summary["export_dir"]]
