@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup run test clean bench system-deps
+.PHONY: setup run test lint format clean bench system-deps
 
 setup: $(VENV)/.installed
 
@@ -23,7 +23,16 @@ run: setup
 system-deps:
 	bash scripts/postgres.sh install || echo "PostgreSQL could not be installed; tests/test_postgres_stack.py will be skipped" >&2
 
-test: setup system-deps
+# Ruff (configured in pyproject.toml): lint rules and the formatter's check; `make format` applies both fixes.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: setup system-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: setup

@@ -12,8 +12,8 @@ import platform
 import re
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCS_PATH = REPO_ROOT / "docs" / "BENCHMARKS.md"
@@ -21,8 +21,10 @@ DEFAULT_ARCHIVE = REPO_ROOT.parent / "shared" / "data" / "cifar-10-python.tar.gz
 # The offline archive's own SHA-256 (it is not the official file, so the official MD5 does not apply).
 DEFAULT_SHA256 = "489922dd9a4a6edc25e4029413c0bdbad3f28e7940960932a326c6c87653312c"
 DEFAULT_BENCH_WORKDIR = Path("/tmp/cifar-bench")
-SHARED_NOTE = ("the machine's 2 cores were shared with other engineers' jobs and tests during the run, so "
-               "absolute numbers are noisy; compare the ratios (variants were interleaved in the same rounds)")
+SHARED_NOTE = (
+    "the machine's 2 cores were shared with other engineers' jobs and tests during the run, so "
+    "absolute numbers are noisy; compare the ratios (variants were interleaved in the same rounds)"
+)
 
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
@@ -74,8 +76,9 @@ def default_sha256(archive: Path) -> str | None:
     return DEFAULT_SHA256 if archive == DEFAULT_ARCHIVE else None
 
 
-def prepare_bench_data(archive: str | Path = DEFAULT_ARCHIVE, workdir: str | Path = DEFAULT_BENCH_WORKDIR,
-                       sha256: str | None = None) -> Path:
+def prepare_bench_data(
+    archive: str | Path = DEFAULT_ARCHIVE, workdir: str | Path = DEFAULT_BENCH_WORKDIR, sha256: str | None = None
+) -> Path:
     """The prepared data dir of the real archive in the bench workdir (reused when already there)."""
     from cifar.config import DataConfig
     from cifar.data.prepare import prepare_data

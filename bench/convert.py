@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
+
 from cifar.config import DataConfig  # noqa: E402
 from cifar.data.archive import RestrictedUnpickler  # noqa: E402
 from cifar.data.prepare import prepare_data  # noqa: E402
@@ -83,10 +84,11 @@ def _seed_convert(input_files: list[Path], output_file: Path) -> None:
             data_dict = _seed_read_pickle(input_file)
             data, labels = data_dict[b"data"], data_dict[b"labels"]
             for index in range(len(labels)):
-                example = tf.train.Example(features=tf.train.Features(feature={
-                    "image": _bytes_feature(data[index].tobytes()),
-                    "label": _int64_feature(labels[index]),
-                }))
+                example = tf.train.Example(
+                    features=tf.train.Features(
+                        feature={"image": _bytes_feature(data[index].tobytes()), "label": _int64_feature(labels[index])}
+                    )
+                )
                 record_writer.write(example.SerializeToString())
 
 
@@ -125,11 +127,11 @@ def measure(archive: Path, sha256: str | None, repeats: int, scratch: Path) -> d
             output = scratch / f"{name}-{repeat}"
             output.mkdir(parents=True)
             if name == "baseline":
-                seconds = _timed(lambda: seed_baseline(archive, output))
+                seconds = _timed(lambda output=output: seed_baseline(archive, output))
             else:
                 result = None
 
-                def run_ours() -> None:
+                def run_ours(output: Path = output) -> None:
                     nonlocal result
                     result = prepare_data(config, output)
 
@@ -149,15 +151,19 @@ def markdown_table(times: dict[str, list[tuple[float, float]]]) -> str:
         "ours": "ours: `prepare_data` (verify, safe read, validate, 11 shards, hashes, stats, manifest)",
     }
     best_baseline = min(wall for wall, _ in times["baseline"])
-    lines = ["| converter | median wall s | best wall s | runs, wall s | median CPU s | speed-up vs seed (median / best) |",
-             "|---|---:|---:|---|---:|---:|"]
+    lines = [
+        "| converter | median wall s | best wall s | runs, wall s | median CPU s | speed-up vs seed (median / best) |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
     for name, runs in times.items():
         median = statistics.median(wall for wall, _ in runs)
         best = min(wall for wall, _ in runs)
         cpu = statistics.median(cpu for _, cpu in runs)
         runs_text = ", ".join(f"{wall:.2f}" for wall, _ in runs)
-        lines.append(f"| {labels[name]} | {median:.2f} | {best:.2f} | {runs_text} | {cpu:.2f} | "
-                     f"{baseline / median:.2f}x / {best_baseline / best:.2f}x |")
+        lines.append(
+            f"| {labels[name]} | {median:.2f} | {best:.2f} | {runs_text} | {cpu:.2f} | "
+            f"{baseline / median:.2f}x / {best_baseline / best:.2f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -176,7 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown_table(times)
     print(table)
     if args.write_docs:
-        command = shlex.join(["python", "bench/convert.py", args.archive, "--repeats", str(args.repeats), "--write-docs"])
+        command = shlex.join(
+            ["python", "bench/convert.py", args.archive, "--repeats", str(args.repeats), "--write-docs"]
+        )
         note = f"\n\nNote: {args.note}" if args.note else ""
         body = (
             "Seconds from the archive (`cifar-10-python.tar.gz`, 50,000 + 10,000 images, already in the page\n"

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
+
 from cifar.config import make_config  # noqa: E402
 from cifar.data.manifest import IMAGE_SHAPE, load_manifest  # noqa: E402
 from cifar.input_pipeline import FEATURES, PAD_PIXELS, make_train_dataset, split_paths  # noqa: E402
@@ -54,8 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20, help="Untimed batches per pipeline before timing.")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="resnet20")
-    parser.add_argument("--train-batch-size", type=int, default=None,
-                        help="Batch of the training comparison (default: TrainConfig's default).")
+    parser.add_argument(
+        "--train-batch-size",
+        type=int,
+        default=None,
+        help="Batch of the training comparison (default: TrainConfig's default).",
+    )
     parser.add_argument("--train-steps", type=int, default=15, help="Timed training steps per variant per round.")
     parser.add_argument("--train-warmup", type=int, default=3, help="Untimed training steps per variant.")
     parser.add_argument("--train-rounds", type=int, default=5)
@@ -68,8 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # The seed-style pipeline: one parse, decode, crop and flip per image.
 
 
-def seed_style_dataset(paths: list[str], batch_size: int, image_size: int, shuffle_buffer: int = 10_000,
-                       seed: int = 0) -> tf.data.Dataset:
+def seed_style_dataset(
+    paths: list[str], batch_size: int, image_size: int, shuffle_buffer: int = 10_000, seed: int = 0
+) -> tf.data.Dataset:
     pad = PAD_PIXELS if image_size == IMAGE_SHAPE[0] else 0
 
     def parse(serialized):
@@ -89,8 +95,16 @@ def seed_style_dataset(paths: list[str], batch_size: int, image_size: int, shuff
 
 def our_dataset(data_dir: Path, batch_size: int, image_size: int, seed: int = 0) -> tf.data.Dataset:
     train = make_config("default").train
-    return make_train_dataset(data_dir, splits=["train"], batch_size=batch_size, image_size=image_size, seed=seed,
-                              augment=train.augment, cache=train.cache, shuffle_buffer=train.shuffle_buffer)
+    return make_train_dataset(
+        data_dir,
+        splits=["train"],
+        batch_size=batch_size,
+        image_size=image_size,
+        seed=seed,
+        augment=train.augment,
+        cache=train.cache,
+        shuffle_buffer=train.shuffle_buffer,
+    )
 
 
 # (a/b) The pipelines alone.
@@ -112,15 +126,18 @@ def measure_pipelines(data_dir: Path, args) -> dict[str, list[tuple[float, float
         "seed": seed_style_dataset(paths, args.batch_size, IMAGE_SHAPE[0]),
     }
     iterators = {name: iter(dataset) for name, dataset in pipelines.items()}
-    for name, iterator in iterators.items():
+    for iterator in iterators.values():
         pull(iterator, args.warmup)
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in pipelines}
     for round_index in range(args.rounds):
         for name, iterator in iterators.items():
             wall, cpu = pull(iterator, args.batches)
             times[name].append((wall, cpu))
-            print(f"round {round_index + 1}/{args.rounds} {name}: {args.batches * args.batch_size / wall:,.0f} "
-                  f"images/s, {1000 * cpu / args.batches:.1f} ms CPU/batch", flush=True)
+            print(
+                f"round {round_index + 1}/{args.rounds} {name}: {args.batches * args.batch_size / wall:,.0f} "
+                f"images/s, {1000 * cpu / args.batches:.1f} ms CPU/batch",
+                flush=True,
+            )
     return times
 
 
@@ -137,11 +154,14 @@ def build_training_model(model_name: str, data_dir: Path, batch_size: int):
     performance = configure_performance(config.train, 0)
     manifest = load_manifest(data_dir)
     keras.utils.set_random_seed(0)
-    model = build_model(model_name, mean=manifest.mean, std=manifest.std,
-                        fused_batchnorm=config.train.fused_batchnorm)
+    model = build_model(model_name, mean=manifest.mean, std=manifest.std, fused_batchnorm=config.train.fused_batchnorm)
     add_weight_decay(model, config.train.weight_decay)
-    compile_model(model, config, steps_per_epoch=manifest.splits["train"].num_examples // batch_size,
-                  jit_compile=performance["jit_compile"] == "true")
+    compile_model(
+        model,
+        config,
+        steps_per_epoch=manifest.splits["train"].num_examples // batch_size,
+        jit_compile=performance["jit_compile"] == "true",
+    )
     return model, config, performance
 
 
@@ -176,12 +196,15 @@ def measure_training(data_dir: Path, args) -> tuple[dict[str, list[float]], dict
     names = list(variants)
     for round_index in range(args.train_rounds):
         # Rotate the order every round so that no variant always runs first or last.
-        for name in names[round_index % len(names):] + names[:round_index % len(names)]:
+        for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
             wall, cpu = run_steps(iterators[name], args.train_steps)
             seconds[name].append((wall, cpu))
-            print(f"train round {round_index + 1}/{args.train_rounds} {name}: "
-                  f"{args.train_steps * batch_size / wall:,.0f} images/s, "
-                  f"{1000 * cpu / (args.train_steps * batch_size):.2f} ms CPU/image", flush=True)
+            print(
+                f"train round {round_index + 1}/{args.train_rounds} {name}: "
+                f"{args.train_steps * batch_size / wall:,.0f} images/s, "
+                f"{1000 * cpu / (args.train_steps * batch_size):.2f} ms CPU/image",
+                flush=True,
+            )
     return seconds, performance, batch_size
 
 
@@ -191,27 +214,40 @@ def measure_training(data_dir: Path, args) -> tuple[dict[str, list[float]], dict
 def pipeline_table(times, batch_size: int, batches: int) -> tuple[str, dict[str, float]]:
     rate = {name: batches * batch_size / common.median([wall for wall, _ in runs]) for name, runs in times.items()}
     cpu = {name: 1000 * common.median([c for _, c in runs]) / batches for name, runs in times.items()}
-    labels = {"seed": "seed-style: per-example parse + decode + random_crop + flip", "ours": "ours: `make_train_dataset`"}
-    lines = [f"| pipeline (batch {batch_size}) | images/s (median) | runs, images/s | CPU ms per batch | vs seed |",
-             "|---|---:|---|---:|---:|"]
+    labels = {
+        "seed": "seed-style: per-example parse + decode + random_crop + flip",
+        "ours": "ours: `make_train_dataset`",
+    }
+    lines = [
+        f"| pipeline (batch {batch_size}) | images/s (median) | runs, images/s | CPU ms per batch | vs seed |",
+        "|---|---:|---|---:|---:|",
+    ]
     for name in ("seed", "ours"):
         runs = ", ".join(f"{batches * batch_size / wall:,.0f}" for wall, _ in times[name])
-        lines.append(f"| {labels[name]} | {rate[name]:,.0f} | {runs} | {cpu[name]:.1f} | {rate[name] / rate['seed']:.2f}x |")
+        lines.append(
+            f"| {labels[name]} | {rate[name]:,.0f} | {runs} | {cpu[name]:.1f} | {rate[name] / rate['seed']:.2f}x |"
+        )
     return "\n".join(lines), rate, {name: value / batch_size for name, value in cpu.items()}
 
 
-def training_table(seconds, batch_size: int, steps: int, pipeline_rate: dict[str, float],
-                   pipeline_cpu_per_image: dict[str, float]) -> tuple[str, dict, dict]:
+def training_table(
+    seconds, batch_size: int, steps: int, pipeline_rate: dict[str, float], pipeline_cpu_per_image: dict[str, float]
+) -> tuple[str, dict, dict]:
     images = steps * batch_size
     walls = {name: common.median([wall for wall, _ in runs]) for name, runs in seconds.items()}
     cpus = {name: 1000 * common.median([cpu for _, cpu in runs]) / images for name, runs in seconds.items()}
     rates = {name: images / value for name, value in walls.items()}
-    labels = {"memory": "batches already in memory (no input cost)", "ours": "our pipeline",
-              "seed": "seed-style pipeline"}
-    lines = [f"| training input (batch {batch_size}) | train images/s (median) | runs, images/s | "
-             "input share of epoch time (wall) | CPU ms/image (median) | extra CPU vs in memory | "
-             "pipeline CPU / training CPU | standalone pipeline / model rate |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    labels = {
+        "memory": "batches already in memory (no input cost)",
+        "ours": "our pipeline",
+        "seed": "seed-style pipeline",
+    }
+    lines = [
+        f"| training input (batch {batch_size}) | train images/s (median) | runs, images/s | "
+        "input share of epoch time (wall) | CPU ms/image (median) | extra CPU vs in memory | "
+        "pipeline CPU / training CPU | standalone pipeline / model rate |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
     shares, cpu_shares = {}, {}
     for name in ("memory", "ours", "seed"):
         runs = ", ".join(f"{images / wall:,.0f}" for wall, _ in seconds[name])
@@ -224,8 +260,10 @@ def training_table(seconds, batch_size: int, steps: int, pipeline_rate: dict[str
             extra_text = f"{100 * (cpus[name] - cpus['memory']) / cpus[name]:.1f} %"
             cpu_text = f"{100 * cpu_shares[name]:.1f} %"
             ratio_text = f"{pipeline_rate[name] / rates['memory']:.0f}x"
-        lines.append(f"| {labels[name]} | {rates[name]:,.0f} | {runs} | {share_text} | {cpus[name]:.2f} | "
-                     f"{extra_text} | {cpu_text} | {ratio_text} |")
+        lines.append(
+            f"| {labels[name]} | {rates[name]:,.0f} | {runs} | {share_text} | {cpus[name]:.2f} | "
+            f"{extra_text} | {cpu_text} | {ratio_text} |"
+        )
     return "\n".join(lines), shares, cpu_shares
 
 
@@ -239,8 +277,9 @@ def main(argv: list[str] | None = None) -> None:
     training_text = ""
     if not args.skip_training:
         seconds, performance, train_batch = measure_training(data_dir, args)
-        train_table, shares, cpu_shares = training_table(seconds, train_batch, args.train_steps, pipeline_rate,
-                                                         pipeline_cpu)
+        train_table, shares, cpu_shares = training_table(
+            seconds, train_batch, args.train_steps, pipeline_rate, pipeline_cpu
+        )
         print(train_table)
         verdict = "meets" if max(shares["ours"], cpu_shares["ours"]) <= 0.05 else "misses"
         training_text = (
@@ -250,14 +289,15 @@ def main(argv: list[str] | None = None) -> None:
             f"fused batch norm `{performance['fused_batchnorm']}`, XLA `{performance['jit_compile']}`, compiled "
             "like `cifar.train` (SGD + Nesterov, L2 on kernels); the steps are Keras' compiled train function (what "
             "`fit` runs per step) on one long-lived iterator per variant, so each pipeline stays in its steady "
-            "state across rounds. \"In memory\" replays 16 real augmented batches "
+            'state across rounds. "In memory" replays 16 real augmented batches '
             "from a constant tensor. Input share = (time with the pipeline - time in memory) / time with the "
             "pipeline (median wall times); on this shared machine its run-to-run spread is several %, so a "
-            "small or negative value means \"below the noise\". The load-insensitive measure is the CPU share: "
+            'small or negative value means "below the noise". The load-insensitive measure is the CPU share: '
             "CPU ms per image the pipeline alone needs (table above) / CPU ms per image of a training step "
-            "fed from memory (process time, all threads). \"Extra CPU vs in memory\" is the process CPU per "
+            'fed from memory (process time, all threads). "Extra CPU vs in memory" is the process CPU per '
             "image while training from the pipeline minus that from memory, as % of the former: it also counts "
-            "tf.data's thread wake-ups and scheduling next to oneDNN's threads, so it is an upper bound. The last column is how many times faster the "
+            "tf.data's thread wake-ups and scheduling next to oneDNN's threads, so it is an upper bound. "
+            "The last column is how many times faster the "
             f"pipeline alone (batch {args.batch_size}) produces images than the model trains on them.\n\n"
             f"{train_table}\n\n"
             f"Target: input <= 5 % of epoch time. Ours: {100 * shares['ours']:.1f} % by wall time, "
@@ -269,9 +309,9 @@ def main(argv: list[str] | None = None) -> None:
             "Images/s of two training input pipelines over the real prepared data (45,000 training images, "
             "8 shards), with augmentation (pad-4 random crop + flip), pulled in a Python loop with nothing "
             f"else running in the process: {args.warmup} warm-up batches, then {args.batches} timed batches per "
-            f"pipeline per round, {args.rounds} interleaved rounds, median. \"Seed-style\" is the cifar10_estimator "
+            f'pipeline per round, {args.rounds} interleaved rounds, median. "Seed-style" is the cifar10_estimator '
             "shape: `TFRecordDataset -> map(parse_single_example + decode_raw + tf.image.random_crop on the padded "
-            "image + random_flip_left_right, AUTOTUNE) -> shuffle(10,000) -> batch -> prefetch`. \"Ours\" is "
+            'image + random_flip_left_right, AUTOTUNE) -> shuffle(10,000) -> batch -> prefetch`. "Ours" is '
             "`cifar.input_pipeline.make_train_dataset` with the default TrainConfig (cache of serialized records, "
             "shuffle(10,000), batch, then one `parse_example` + `decode_raw` and one gather-based crop + flip per "
             "batch). CPU ms per batch is the process time of all threads.\n\n"

@@ -125,8 +125,11 @@ def controlled_table(checkpoints: list[str], images: np.ndarray, labels: np.ndar
     import cifar.optimizers  # noqa: F401
 
     # Only the original-pixel images are scored, so every part is a mask over them.
-    parts = {name.partition(" (")[0]: mask[exact] for name, mask in test_subsets(exact, labels).items()
-             if not (mask & ~exact).any()}
+    parts = {
+        name.partition(" (")[0]: mask[exact]
+        for name, mask in test_subsets(exact, labels).items()
+        if not (mask & ~exact).any()
+    }
     originals, original_labels = images[exact], labels[exact]
     degraded = jpeg_round_trip(originals)
     change = np.abs(degraded.astype(np.int16) - originals).mean()

@@ -58,8 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--archive", default=str(common.DEFAULT_ARCHIVE))
     parser.add_argument("--preset", default="smoke")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="Config override for both variants (as flows/pipeline.py --set).")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="Config override for both variants (as flows/pipeline.py --set).",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="Timed runs of the flow and of the direct calls.")
     parser.add_argument("--startup-repeats", type=int, default=2, help="Timed trivial flows / empty processes.")
     parser.add_argument("--cached-repeats", type=int, default=2, help="Timed fully cached re-runs of the flow.")
@@ -105,15 +110,39 @@ def direct_child(args) -> None:
 
     data = stage("prepare", lambda: prepare_data(config.data, workdir))
     training = stage("train", lambda: train(config, data.data_dir, workdir))
-    evaluation = stage("evaluate", lambda: evaluate(config, data.data_dir, training.checkpoint_dir, workdir,
-                                                   mlflow_run_id=training.mlflow_run_id,
-                                                   tracking_uri=training.tracking_uri))
-    export = stage("export", lambda: export_model(config, data.data_dir, training.checkpoint_dir, workdir,
-                                                  evaluation, mlflow_run_id=training.mlflow_run_id,
-                                                  tracking_uri=training.tracking_uri))
-    stage("register", lambda: register_and_promote(config, export, evaluation.test_accuracy,
-                                                   mlflow_run_id=training.mlflow_run_id,
-                                                   tracking_uri=training.tracking_uri))
+    evaluation = stage(
+        "evaluate",
+        lambda: evaluate(
+            config,
+            data.data_dir,
+            training.checkpoint_dir,
+            workdir,
+            mlflow_run_id=training.mlflow_run_id,
+            tracking_uri=training.tracking_uri,
+        ),
+    )
+    export = stage(
+        "export",
+        lambda: export_model(
+            config,
+            data.data_dir,
+            training.checkpoint_dir,
+            workdir,
+            evaluation,
+            mlflow_run_id=training.mlflow_run_id,
+            tracking_uri=training.tracking_uri,
+        ),
+    )
+    stage(
+        "register",
+        lambda: register_and_promote(
+            config,
+            export,
+            evaluation.test_accuracy,
+            mlflow_run_id=training.mlflow_run_id,
+            tracking_uri=training.tracking_uri,
+        ),
+    )
     print("BENCH_STAGES " + json.dumps(times), flush=True)
 
 
@@ -123,9 +152,15 @@ def direct_child(args) -> None:
 def prefect_env(home: Path) -> dict[str, str]:
     """No server (ephemeral mode), an isolated Prefect home, this environment's bin first on PATH."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), PREFECT_PROFILES_PATH=str(home / "profiles.toml"),
-               PREFECT_SERVER_ANALYTICS_ENABLED="false", PREFECT_CLI_PROMPT="false", TF_CPP_MIN_LOG_LEVEL="2",
-               PYTHONUNBUFFERED="1", PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_PROFILES_PATH=str(home / "profiles.toml"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_CLI_PROMPT="false",
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONUNBUFFERED="1",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
     return env
 
 
@@ -140,14 +175,16 @@ def _children_cpu() -> float:
 def run(command: list[str], env: dict[str, str], log: Path) -> tuple[float, str]:
     """Wall seconds of a command run from the repository root; its output goes to `log` and is returned."""
     start, cpu = time.perf_counter(), _children_cpu()
-    result = subprocess.run(command, cwd=common.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, timeout=900)
+    result = subprocess.run(
+        command, cwd=common.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900
+    )
     elapsed = time.perf_counter() - start
     CPU_SECONDS.append(_children_cpu() - cpu)
     log.write_text(result.stdout)
     if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:3])} ... failed with {result.returncode}; see {log}:\n"
-                           f"{result.stdout[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(command[:3])} ... failed with {result.returncode}; see {log}:\n{result.stdout[-3000:]}"
+        )
     return elapsed, result.stdout
 
 
@@ -189,10 +226,30 @@ def measure(args, scratch: Path) -> dict:
     env = prefect_env(home)
     python = sys.executable
     archive = config.data.source
-    flow_command = [python, "flows/pipeline.py", "--preset", args.preset, "--source", archive,
-                    "--sha256", config.data.sha256, *[item for value in args.set for item in ("--set", value)]]
-    results: dict = {"flow": [], "direct": [], "noop": [], "empty": [], "cached": [], "flow_stages": [],
-                     "direct_stages": [], "flow_cpu": [], "direct_cpu": [], "noop_cpu": [], "empty_cpu": []}
+    flow_command = [
+        python,
+        "flows/pipeline.py",
+        "--preset",
+        args.preset,
+        "--source",
+        archive,
+        "--sha256",
+        config.data.sha256,
+        *[item for value in args.set for item in ("--set", value)],
+    ]
+    results: dict = {
+        "flow": [],
+        "direct": [],
+        "noop": [],
+        "empty": [],
+        "cached": [],
+        "flow_stages": [],
+        "direct_stages": [],
+        "flow_cpu": [],
+        "direct_cpu": [],
+        "noop_cpu": [],
+        "empty_cpu": [],
+    }
 
     # Untimed warm-up: creates the Prefect database in the fresh home, warms the page cache; and
     # Prefect's bare per-task cost (20 trivial tasks in one flow).
@@ -205,8 +262,11 @@ def measure(args, scratch: Path) -> dict:
         results["empty_cpu"].append(CPU_SECONDS[-1])
         results["noop"].append(run([python, "-c", NOOP_FLOW], env, scratch / "noop.log")[0])
         results["noop_cpu"].append(CPU_SECONDS[-1])
-        print(f"start-up {repeat + 1}/{args.startup_repeats}: trivial flow {results['noop'][-1]:.2f} s, "
-              f"empty python {results['empty'][-1]:.2f} s", flush=True)
+        print(
+            f"start-up {repeat + 1}/{args.startup_repeats}: trivial flow {results['noop'][-1]:.2f} s, "
+            f"empty python {results['empty'][-1]:.2f} s",
+            flush=True,
+        )
 
     last_flow_workdir = None
     for repeat in range(args.repeats):
@@ -221,14 +281,18 @@ def measure(args, scratch: Path) -> dict:
                 last_flow_workdir = workdir
             else:
                 child_env = {**env, "BENCH_CONFIG": config.model_dump_json()}
-                seconds, output = run([python, str(Path(__file__).resolve()), "--preset", args.preset,
-                                       "--direct-child", str(workdir)], child_env, scratch / f"{name}-{repeat}.log")
+                seconds, output = run(
+                    [python, str(Path(__file__).resolve()), "--preset", args.preset, "--direct-child", str(workdir)],
+                    child_env,
+                    scratch / f"{name}-{repeat}.log",
+                )
                 stages_line = [line for line in output.splitlines() if line.startswith("BENCH_STAGES ")][-1]
                 results["direct_stages"].append(json.loads(stages_line.split(" ", 1)[1]))
             results[name].append(seconds)
             results[f"{name}_cpu"].append(CPU_SECONDS[-1])
-            print(f"run {repeat + 1}/{args.repeats} {name}: {seconds:.1f} s wall, {CPU_SECONDS[-1]:.1f} s CPU",
-                  flush=True)
+            print(
+                f"run {repeat + 1}/{args.repeats} {name}: {seconds:.1f} s wall, {CPU_SECONDS[-1]:.1f} s CPU", flush=True
+            )
             if name == "direct":
                 shutil.rmtree(workdir, ignore_errors=True)
         if repeat < args.repeats - 1 and last_flow_workdir is not None:
@@ -237,8 +301,9 @@ def measure(args, scratch: Path) -> dict:
     attempts = 0
     while len(results["cached"]) < args.cached_repeats:
         attempts += 1
-        seconds, output = run([*flow_command, "--workdir", str(last_flow_workdir)], env,
-                              scratch / f"cached-{attempts}.log")
+        seconds, output = run(
+            [*flow_command, "--workdir", str(last_flow_workdir)], env, scratch / f"cached-{attempts}.log"
+        )
         states = json.loads((last_flow_workdir / "summary.json").read_text())["task_states"]
         stage_states = {name: state for name, state in states.items() if name in STAGES}
         if set(stage_states.values()) != {"Cached"}:
@@ -255,19 +320,30 @@ def measure(args, scratch: Path) -> dict:
 
 def stage_table(results: dict) -> str:
     """Median seconds per stage: direct calls vs the flow's tasks (from its log timestamps)."""
+
     def median_of(rows: list[dict], key: str) -> float | None:
         values = [row[key] for row in rows if key in row]
         return common.median(values) if values else None
 
-    rows = [("process start + imports", median_of(results["direct_stages"], "imports"), None),
-            ("Prefect: server start + flow start", None, median_of(results["flow_stages"], "server start + flow start")),
-            ("download (flow only; direct: inside prepare_data)", None, median_of(results["flow_stages"], "download"))]
+    rows = [
+        ("process start + imports", median_of(results["direct_stages"], "imports"), None),
+        ("Prefect: server start + flow start", None, median_of(results["flow_stages"], "server start + flow start")),
+        ("download (flow only; direct: inside prepare_data)", None, median_of(results["flow_stages"], "download")),
+    ]
     for name in ("prepare", "train", "evaluate", "export", "register"):
         rows.append((name, median_of(results["direct_stages"], name), median_of(results["flow_stages"], name)))
-    rows += [("summary + report tasks", None,
-              sum(filter(None, (median_of(results["flow_stages"], key) for key in ("summary", "report"))))),
-             ("flow end + server stop", None,
-              sum(filter(None, (median_of(results["flow_stages"], key) for key in ("flow end", "server stop")))))]
+    rows += [
+        (
+            "summary + report tasks",
+            None,
+            sum(filter(None, (median_of(results["flow_stages"], key) for key in ("summary", "report")))),
+        ),
+        (
+            "flow end + server stop",
+            None,
+            sum(filter(None, (median_of(results["flow_stages"], key) for key in ("flow end", "server stop")))),
+        ),
+    ]
     lines = ["| stage | direct s (median) | flow task s (median) |", "|---|---:|---:|"]
     for label, direct, flow in rows:
         show = lambda value: "-" if value is None else f"{value:.1f}"  # noqa: E731
@@ -295,21 +371,23 @@ def main(argv: list[str] | None = None) -> None:
     startup_cpu = common.median(results["noop_cpu"]) - common.median(results["empty_cpu"])
     overhead_cpu = flow_cpu - direct_cpu - startup_cpu
     runs = lambda values: ", ".join(f"{value:.1f}" for value in values)  # noqa: E731
-    table = "\n".join([
-        "| measurement | median wall s | runs, wall s | wall vs direct | median CPU s | CPU vs direct |",
-        "|---|---:|---|---:|---:|---:|",
-        f"| direct: stage functions in one process | {direct:.1f} | {runs(results['direct'])} | 100 % | "
-        f"{direct_cpu:.1f} | 100 % |",
-        f"| flow: `python flows/pipeline.py` (ephemeral Prefect) | {flow:.1f} | {runs(results['flow'])} | "
-        f"{100 * flow / direct:.1f} % | {flow_cpu:.1f} | {100 * flow_cpu / direct_cpu:.1f} % |",
-        f"| Prefect start-up: trivial flow process - empty process | {startup:.1f} | "
-        f"noop {runs(results['noop'])}; empty {runs(results['empty'])} | {100 * startup / direct:.1f} % | "
-        f"{startup_cpu:.1f} | {100 * startup_cpu / direct_cpu:.1f} % |",
-        f"| **flow overhead beyond start-up** (flow - direct - start-up) | **{overhead:.1f}** | - | "
-        f"**{100 * overhead / direct:+.1f} %** | {overhead_cpu:.1f} | {100 * overhead_cpu / direct_cpu:+.1f} % |",
-        f"| (b) fully cached re-run of the flow command | {cached:.1f} | {runs(results['cached'])} | "
-        f"{100 * cached / direct:.1f} % | - | - |",
-    ])
+    table = "\n".join(
+        [
+            "| measurement | median wall s | runs, wall s | wall vs direct | median CPU s | CPU vs direct |",
+            "|---|---:|---|---:|---:|---:|",
+            f"| direct: stage functions in one process | {direct:.1f} | {runs(results['direct'])} | 100 % | "
+            f"{direct_cpu:.1f} | 100 % |",
+            f"| flow: `python flows/pipeline.py` (ephemeral Prefect) | {flow:.1f} | {runs(results['flow'])} | "
+            f"{100 * flow / direct:.1f} % | {flow_cpu:.1f} | {100 * flow_cpu / direct_cpu:.1f} % |",
+            f"| Prefect start-up: trivial flow process - empty process | {startup:.1f} | "
+            f"noop {runs(results['noop'])}; empty {runs(results['empty'])} | {100 * startup / direct:.1f} % | "
+            f"{startup_cpu:.1f} | {100 * startup_cpu / direct_cpu:.1f} % |",
+            f"| **flow overhead beyond start-up** (flow - direct - start-up) | **{overhead:.1f}** | - | "
+            f"**{100 * overhead / direct:+.1f} %** | {overhead_cpu:.1f} | {100 * overhead_cpu / direct_cpu:+.1f} % |",
+            f"| (b) fully cached re-run of the flow command | {cached:.1f} | {runs(results['cached'])} | "
+            f"{100 * cached / direct:.1f} % | - | - |",
+        ]
+    )
     stages = stage_table(results)
     print(table)
     print(stages)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
+
 from cifar.config import make_config  # noqa: E402
 
 SECTION = "## Serving"
@@ -68,19 +69,36 @@ def export_once(args, data_dir: Path):
     from cifar.train import train
 
     archive = str(Path(args.archive).expanduser().resolve())
-    config = make_config("default", {
-        "data": {"source": archive, "sha256": common.default_sha256(Path(archive))},
-        "train": {"model": args.model, "epochs": 1, "steps_per_epoch": args.train_steps, "keep_checkpoints": 1},
-        "evaluate": {"flip_tta": False},
-        "tracking": {"system_metrics": False},
-    })
+    config = make_config(
+        "default",
+        {
+            "data": {"source": archive, "sha256": common.default_sha256(Path(archive))},
+            "train": {"model": args.model, "epochs": 1, "steps_per_epoch": args.train_steps, "keep_checkpoints": 1},
+            "evaluate": {"flip_tta": False},
+            "tracking": {"system_metrics": False},
+        },
+    )
     workdir = Path(args.workdir)
     training = train(config, data_dir, workdir)
-    evaluation = evaluate(config, data_dir, training.checkpoint_dir, workdir, mlflow_run_id=training.mlflow_run_id,
-                          tracking_uri=training.tracking_uri)
+    evaluation = evaluate(
+        config,
+        data_dir,
+        training.checkpoint_dir,
+        workdir,
+        mlflow_run_id=training.mlflow_run_id,
+        tracking_uri=training.tracking_uri,
+    )
     start = time.perf_counter()
-    export = export_model(config, data_dir, training.checkpoint_dir, workdir, evaluation, refresh=True,
-                          mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri)
+    export = export_model(
+        config,
+        data_dir,
+        training.checkpoint_dir,
+        workdir,
+        evaluation,
+        refresh=True,
+        mlflow_run_id=training.mlflow_run_id,
+        tracking_uri=training.tracking_uri,
+    )
     return config, training, evaluation, export, time.perf_counter() - start
 
 
@@ -121,7 +139,7 @@ def measure_in_process(variants, images: np.ndarray, png: np.ndarray, args):
     names = list(variants)
     batch_seconds = {name: [] for name in variants}
     single_seconds = {name: [] for name in variants}
-    for name, call in variants.items():  # Warm-up: tracing, oneDNN primitives for both shapes.
+    for call in variants.values():  # Warm-up: tracing, oneDNN primitives for both shapes.
         for _ in range(3):
             call(*batch)
         for index in range(10):
@@ -138,11 +156,15 @@ def measure_in_process(variants, images: np.ndarray, png: np.ndarray, args):
             shift = call_index % len(names)
             for name in names[shift:] + names[:shift]:
                 single_seconds[name].append(
-                    timed(variants[name], images[position : position + 1], png[position : position + 1]))
+                    timed(variants[name], images[position : position + 1], png[position : position + 1])
+                )
         for name in names:
-            print(f"round {round_index + 1}/{args.rounds} {name}: "
-                  f"{args.batch_size / common.median(batch_seconds[name][-args.batch_calls:]):,.0f} images/s, "
-                  f"p50 {1000 * common.median(single_seconds[name][-args.single_calls:]):.2f} ms", flush=True)
+            print(
+                f"round {round_index + 1}/{args.rounds} {name}: "
+                f"{args.batch_size / common.median(batch_seconds[name][-args.batch_calls :]):,.0f} images/s, "
+                f"p50 {1000 * common.median(single_seconds[name][-args.single_calls :]):.2f} ms",
+                flush=True,
+            )
     return batch_seconds, single_seconds
 
 
@@ -167,20 +189,47 @@ def measure_http(config, export, training, images: np.ndarray, args) -> dict:
     """Registers the export (pyfunc), serves it with `mlflow models serve`, times JSON requests."""
     from cifar.registry import register_and_promote
 
-    promotion = register_and_promote(config, export, 0.0 if export.verified_accuracy is None else export.verified_accuracy,
-                                     mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri,
-                                     input_example=images[:1])
+    promotion = register_and_promote(
+        config,
+        export,
+        0.0 if export.verified_accuracy is None else export.verified_accuracy,
+        mlflow_run_id=training.mlflow_run_id,
+        tracking_uri=training.tracking_uri,
+        input_example=images[:1],
+    )
     port = free_port()
     mlflow_cli = Path(sys.executable).parent / "mlflow"
     # The scoring server is started as `uvicorn ...` from PATH: put this environment's bin first.
-    env = {**os.environ, "MLFLOW_TRACKING_URI": training.tracking_uri, "TF_CPP_MIN_LOG_LEVEL": "2",
-           "PATH": f"{mlflow_cli.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": training.tracking_uri,
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PATH": f"{mlflow_cli.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     log_path = Path(args.workdir) / "mlflow-serve.log"
     start = time.perf_counter()
     with open(log_path, "wb") as log:
-        server = subprocess.Popen([str(mlflow_cli), "models", "serve", "-m", promotion.model_uri, "--env-manager",
-                                   "local", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                                  stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        server = subprocess.Popen(
+            [
+                str(mlflow_cli),
+                "models",
+                "serve",
+                "-m",
+                promotion.model_uri,
+                "--env-manager",
+                "local",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         while True:
@@ -207,8 +256,13 @@ def measure_http(config, export, training, images: np.ndarray, args) -> dict:
         post(f"{url}/invocations", batch)
         single_seconds = [post(f"{url}/invocations", body) for body in single]
         batch_seconds = [post(f"{url}/invocations", batch) for _ in range(5)]
-        return {"startup": startup, "single": single_seconds, "batch": batch_seconds,
-                "payload_kb": len(batch) / 1024, "model_uri": promotion.model_uri}
+        return {
+            "startup": startup,
+            "single": single_seconds,
+            "batch": batch_seconds,
+            "payload_kb": len(batch) / 1024,
+            "model_uri": promotion.model_uri,
+        }
     finally:
         stop_server(server)
 
@@ -234,15 +288,20 @@ def markdown_table(batch_seconds, single_seconds, batch_size: int) -> str:
         "keras": "Keras model in-process (`tf.function`), reference",
     }
     reference = batch_seconds["serving_default"]
-    lines = [f"| variant | images/s at batch {batch_size} (median) | throughput vs serving_default (paired) | "
-             "batch-1 p50 ms | batch-1 p95 ms |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"| variant | images/s at batch {batch_size} (median) | throughput vs serving_default (paired) | "
+        "batch-1 p50 ms | batch-1 p95 ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name in ("serving_default", "serving_bytes", "keras"):
         rate = batch_size / common.median(batch_seconds[name])
         # Median of per-call ratios against the serving_default call of the same rotation.
         paired = common.median([base / value for base, value in zip(reference, batch_seconds[name])])
-        lines.append(f"| {labels[name]} | {rate:,.0f} | {paired:.2f}x | "
-                     f"{1000 * common.median(single_seconds[name]):.2f} | "
-                     f"{1000 * common.percentile(single_seconds[name], 0.95):.2f} |")
+        lines.append(
+            f"| {labels[name]} | {rate:,.0f} | {paired:.2f}x | "
+            f"{1000 * common.median(single_seconds[name]):.2f} | "
+            f"{1000 * common.percentile(single_seconds[name], 0.95):.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -270,9 +329,10 @@ def main(argv: list[str] | None = None) -> None:
         in_process_rate = args.batch_size / common.median(batch_seconds["serving_default"])
         http_text = (
             "\n\n**Over HTTP** (`mlflow models serve -m <logged pyfunc> --env-manager local --workers 1`, JSON "
-            "`{\"inputs\": [...]}` to `/invocations` on 127.0.0.1, one request at a time, after 5 warm-up "
+            '`{"inputs": [...]}` to `/invocations` on 127.0.0.1, one request at a time, after 5 warm-up '
             f"requests): start-up until `/ping` answers {http['startup']:.1f} s; batch 1: p50 "
-            f"{1000 * common.median(http['single']):.1f} ms, p95 {1000 * common.percentile(http['single'], 0.95):.1f} ms "
+            f"{1000 * common.median(http['single']):.1f} ms, "
+            f"p95 {1000 * common.percentile(http['single'], 0.95):.1f} ms "
             f"over {len(http['single'])} requests; batch {args.http_batch} ({http['payload_kb']:,.0f} KiB of JSON): "
             f"{http_rate:,.0f} images/s (median of 5), "
             f"{http_rate / in_process_rate:.2f}x of in-process serving_default at batch {args.batch_size}. At "

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
+
 from cifar.models import build_model, input_size  # noqa: E402
 from cifar.performance import cpu_bf16_flags, onednn_enabled  # noqa: E402
 
@@ -72,8 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--xla", action="store_true", help="Also time ours with jit_compile=True.")
     parser.add_argument("--write-docs", action="store_true", help=f"Write the table into {common.DOCS_PATH}.")
     parser.add_argument("--note", default="", help="A note on the machine's state (e.g. shared, loaded).")
-    parser.add_argument("--section", default=SECTION,
-                        help=f"The docs section to (re)write, e.g. one per host (default {SECTION!r}).")
+    parser.add_argument(
+        "--section", default=SECTION, help=f"The docs section to (re)write, e.g. one per host (default {SECTION!r})."
+    )
     args = parser.parse_args(argv)
     if min(args.batch_size, args.steps, args.rounds) < 1 or args.warmup < 0 or args.steps % args.rounds:
         parser.error("batch size, steps and rounds must be >= 1, warmup >= 0, and rounds must divide steps")
@@ -161,10 +163,7 @@ def machine_description(load_at_start: str) -> str:
 
 
 def markdown_table(results: dict[str, list[tuple[Variant, float]]], batch_size: int) -> str:
-    lines = [
-        f"| model | variant | images/s (batch {batch_size}) | vs stock fp32 |",
-        "|---|---|---:|---:|",
-    ]
+    lines = [f"| model | variant | images/s (batch {batch_size}) | vs stock fp32 |", "|---|---|---:|---:|"]
     for model_name, rows in results.items():
         stock = rows[0][1]
         for variant, images_per_second in rows:
@@ -186,11 +185,11 @@ def main(argv: list[str] | None = None) -> None:
         body = (
             "Images/s of `model.fit` training steps (SGD + momentum, sparse cross-entropy) on one fixed\n"
             f"uint8 batch repeated in memory, {args.warmup} warm-up steps excluded, {args.steps} timed steps per\n"
-            f"variant interleaved in {args.rounds} rounds so load changes hit every variant alike. \"Ours\" is\n"
+            f'variant interleaved in {args.rounds} rounds so load changes hit every variant alike. "Ours" is\n'
             "`fused_batchnorm=True` (cifar.layers.FusedBatchNormalization) and, in the fast net,\n"
             "`fused_gelu=True` (cifar.layers.Gelu: XLA-fused GELU kernels) with the `mixed_bfloat16` policy;\n"
-            "\"stock\" is Keras's BatchNormalization and GELU in float32. The tutorial CNN has no batch norm, so\n"
-            "its gain is bfloat16 alone. XLA is off (for the whole step) except in the \"+ XLA\" rows.\n\n"
+            '"stock" is Keras\'s BatchNormalization and GELU in float32. The tutorial CNN has no batch norm, so\n'
+            'its gain is bfloat16 alone. XLA is off (for the whole step) except in the "+ XLA" rows.\n\n'
             f"Command: `{command}`\n\n"
             f"Machine: {machine_description(load_at_start)}{note}\n\n"
             f"{table}\n"

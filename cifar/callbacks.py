@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import keras
 import numpy as np
@@ -128,12 +128,20 @@ class Lookahead(keras.callbacks.Callback):
     takes part, batch-norm statistics included.
     """
 
-    def __init__(self, every: int, steps_per_epoch: int, total_steps: int, *, start_fraction: float = 0.3,
-                 base_decay: float = 0.95):
+    def __init__(
+        self,
+        every: int,
+        steps_per_epoch: int,
+        total_steps: int,
+        *,
+        start_fraction: float = 0.3,
+        base_decay: float = 0.95,
+    ):
         super().__init__()
         if every < 1 or steps_per_epoch < 1 or total_steps < 1:
-            raise ValueError(f"every, steps_per_epoch and total_steps must be >= 1, got {every}, "
-                             f"{steps_per_epoch} and {total_steps}")
+            raise ValueError(
+                f"every, steps_per_epoch and total_steps must be >= 1, got {every}, {steps_per_epoch} and {total_steps}"
+            )
         self.every = int(every)
         self.steps_per_epoch = int(steps_per_epoch)
         self.total_steps = int(total_steps)

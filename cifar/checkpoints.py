@@ -22,8 +22,8 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from pydantic import BaseModel, ConfigDict
 
@@ -145,8 +145,11 @@ def history_rows(history: dict[str, list]) -> list[tuple[int, dict[str, float]]]
     """(epoch, metrics) per recorded epoch, leaving out metrics missing in that epoch."""
     rows = []
     for position, epoch in enumerate(history.get("epoch", [])):
-        metrics = {key: values[position] for key, values in history.items()
-                   if key != "epoch" and position < len(values) and values[position] is not None}
+        metrics = {
+            key: values[position]
+            for key, values in history.items()
+            if key != "epoch" and position < len(values) and values[position] is not None
+        }
         rows.append((int(epoch), metrics))
     return rows
 
@@ -165,10 +168,16 @@ class RunDirectory:
     def read_state(self) -> dict:
         return read_json(self.state_path) if self.state_path.is_file() else {}
 
-    def write_state(self, key: str, mlflow_run_id: str | None, tracking_uri: str, status: str,
-                    result: TrainResult | None = None) -> None:
-        state = {"run_name": self.name, "key": key, "mlflow_run_id": mlflow_run_id, "tracking_uri": tracking_uri,
-                 "status": status}
+    def write_state(
+        self, key: str, mlflow_run_id: str | None, tracking_uri: str, status: str, result: TrainResult | None = None
+    ) -> None:
+        state = {
+            "run_name": self.name,
+            "key": key,
+            "mlflow_run_id": mlflow_run_id,
+            "tracking_uri": tracking_uri,
+            "status": status,
+        }
         if result is not None:
             state["result"] = result.model_dump(exclude={"reused"})
         atomic_write_json(self.state_path, state)
@@ -179,8 +188,11 @@ class RunDirectory:
         if state.get("status") != "completed" or state.get("key") != key or "result" not in state:
             return None
         index = load_index(self.checkpoint_dir)
-        files = [self.checkpoint_dir / name for entry in index.entries for name in (entry.model_path,
-                                                                                     entry.eval_weights_path)]
+        files = [
+            self.checkpoint_dir / name
+            for entry in index.entries
+            for name in (entry.model_path, entry.eval_weights_path)
+        ]
         if not files or not all(path.is_file() for path in files):
             return None
         return TrainResult.model_validate({**state["result"], "reused": True})
@@ -189,9 +201,11 @@ class RunDirectory:
         """Refuses to continue a run made under another key (another config or code in a named folder)."""
         recorded = self.read_state().get("key", key)
         if recorded != key:
-            raise ValueError(f"{self.path} holds a training run of another configuration or code version "
-                             f"(key {recorded}, this run's is {key}): choose another train.run_name, or "
-                             "pass --fresh to discard it")
+            raise ValueError(
+                f"{self.path} holds a training run of another configuration or code version "
+                f"(key {recorded}, this run's is {key}): choose another train.run_name, or "
+                "pass --fresh to discard it"
+            )
 
     def read_history(self, epochs: int) -> dict[str, list]:
         """The recorded history of the first `epochs` epochs (a kill may have left one more)."""
@@ -201,8 +215,9 @@ class RunDirectory:
         keep = [position for position, epoch in enumerate(history.get("epoch", [])) if epoch <= epochs]
         if not keep:
             return {}
-        return {key: [values[position] for position in keep if position < len(values)]
-                for key, values in history.items()}
+        return {
+            key: [values[position] for position in keep if position < len(values)] for key, values in history.items()
+        }
 
     def discard(self) -> None:
         """Moves the folder aside, then deletes it (a crash midway never leaves a half-deleted run in place)."""

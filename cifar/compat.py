@@ -9,7 +9,8 @@ test_fast_recipe.py exercise every function here).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 def learning_rate_schedule(optimizer) -> Any:
@@ -43,6 +44,7 @@ def build_from_sample(model, strategy, sample) -> None:
     all it needs, so `_maybe_symbolic_build` is replaced by a build from a zero batch of one
     replica's shape (`_symbolic_build`).
     """
+
     def symbolic_build(iterator=None, data_batch=None):
         with strategy.scope():
             model._symbolic_build(data_batch=sample)

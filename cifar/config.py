@@ -40,8 +40,9 @@ def parse_model_name(name: str) -> tuple[str, int | None]:
     if match:
         depth = int(match.group(1))
         if depth < 8 or (depth - 2) % 6 or depth > MAX_RESNET_DEPTH:
-            raise ValueError(f"ResNet depth must be 6n+2 between 8 and {MAX_RESNET_DEPTH} "
-                             f"(20, 32, 44, 56, 110, ...), got {name!r}")
+            raise ValueError(
+                f"ResNet depth must be 6n+2 between 8 and {MAX_RESNET_DEPTH} (20, 32, 44, 56, 110, ...), got {name!r}"
+            )
         return "resnet", depth
     if name not in MODEL_FAMILIES or name == "resnet":
         raise ValueError(f"unknown model {name!r}: expected tutorial, fast, tiny or resnet{{6n+2}}")
@@ -142,13 +143,12 @@ class TrainConfig(Section):
     def _gpu_request(cls, value: int | list[int]) -> int | list[int]:
         if isinstance(value, int) and value < 0:
             raise ValueError(f"gpus must be >= 0, got {value}")
-        if isinstance(value, list):
-            if any(index < 0 for index in value) or len(set(value)) != len(value):
-                raise ValueError(f"gpus list must hold distinct non-negative ids, got {value}")
+        if isinstance(value, list) and (any(index < 0 for index in value) or len(set(value)) != len(value)):
+            raise ValueError(f"gpus list must hold distinct non-negative ids, got {value}")
         return value
 
     @model_validator(mode="after")
-    def _warmup_within_run(self) -> "TrainConfig":
+    def _warmup_within_run(self) -> TrainConfig:
         if self.warmup_epochs >= self.epochs and self.schedule != "constant":
             raise ValueError(f"warmup_epochs ({self.warmup_epochs}) must be shorter than epochs ({self.epochs})")
         if self.lookahead_steps is not None and self.ema_decay is not None:
@@ -217,8 +217,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     # A few minutes on 2 CPU cores: proves every stage end to end, not accuracy.
     "smoke": {
-        "train": {"model": "tutorial", "epochs": 2, "steps_per_epoch": 60, "batch_size": 128,
-                  "schedule": "constant", "learning_rate": 0.05, "keep_checkpoints": 2},
+        "train": {
+            "model": "tutorial",
+            "epochs": 2,
+            "steps_per_epoch": 60,
+            "batch_size": 128,
+            "schedule": "constant",
+            "learning_rate": 0.05,
+            "keep_checkpoints": 2,
+        },
         "evaluate": {"flip_tta": False},
     },
     # The estimator's ResNet recipe: 0.1 at batch 128, x0.1/x0.01/x0.002 at epochs 82/123/300 of ~170.
@@ -232,13 +239,29 @@ PRESETS: dict[str, dict[str, Any]] = {
     # preset trains 16, warming up over 23% of them.
     "fast": {
         "data": {"validation_size": 0},
-        "train": {"model": "fast", "epochs": 16, "batch_size": 1024, "schedule": "onecycle",
-                  "learning_rate": 0.1875, "momentum": 0.85, "nesterov": True,
-                  "warmup_epochs": 3.68, "warmup_initial_factor": 0.2, "final_learning_rate_factor": 0.07,
-                  "weight_decay": 1.33e-3, "decay_biases": True, "bias_learning_rate_multiplier": 64.0,
-                  "label_smoothing": 0.2, "lookahead_steps": 5, "whitening_bias_epochs": 3.0,
-                  "crop_padding": 2, "padding_mode": "reflect", "flip": "alternating",
-                  "shuffle_buffer": 50_000, "use_all_training_data": True},
+        "train": {
+            "model": "fast",
+            "epochs": 16,
+            "batch_size": 1024,
+            "schedule": "onecycle",
+            "learning_rate": 0.1875,
+            "momentum": 0.85,
+            "nesterov": True,
+            "warmup_epochs": 3.68,
+            "warmup_initial_factor": 0.2,
+            "final_learning_rate_factor": 0.07,
+            "weight_decay": 1.33e-3,
+            "decay_biases": True,
+            "bias_learning_rate_multiplier": 64.0,
+            "label_smoothing": 0.2,
+            "lookahead_steps": 5,
+            "whitening_bias_epochs": 3.0,
+            "crop_padding": 2,
+            "padding_mode": "reflect",
+            "flip": "alternating",
+            "shuffle_buffer": 50_000,
+            "use_all_training_data": True,
+        },
         "evaluate": {"checkpoints": "best", "flip_tta": True, "translate_tta": True},
     },
 }
@@ -256,9 +279,9 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
 
 # The fast recipe cut to under 3 minutes of training on 2 CPU cores: 3 epochs at batch 512 (291 steps,
 # more updates for the same images than batch 1,024), the whitening bias trained for the first epoch.
-PRESETS["sprint"] = _deep_merge(PRESETS["fast"], {
-    "train": {"epochs": 3, "batch_size": 512, "warmup_epochs": 0.69, "whitening_bias_epochs": 1.0},
-})
+PRESETS["sprint"] = _deep_merge(
+    PRESETS["fast"], {"train": {"epochs": 3, "batch_size": 512, "warmup_epochs": 0.69, "whitening_bias_epochs": 1.0}}
+)
 
 
 def make_config(preset: str = "default", overrides: dict[str, Any] | None = None) -> PipelineConfig:

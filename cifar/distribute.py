@@ -63,7 +63,8 @@ class DevicePlan:
     def summary(self) -> str:
         """One line for logs and MLflow tags, e.g. '2 x GPU [0, 1], 1 worker(s)'."""
         ids = f" {list(self.gpu_ids)}" if self.gpu_ids else ""
-        return f"{len(self.devices)} x {self.device_type}{ids}, {self.num_workers} worker(s), {self.num_replicas} replica(s)"
+        workers = f"{self.num_workers} worker(s), {self.num_replicas} replica(s)"
+        return f"{len(self.devices)} x {self.device_type}{ids}, {workers}"
 
 
 def cluster_task(tf_config: str | None = None) -> ClusterTask | None:
@@ -90,7 +91,9 @@ def resolve_gpu_ids(gpus: int | list[int], available: int) -> list[int]:
     if isinstance(gpus, list):
         missing = [index for index in gpus if index >= available]
         if missing:
-            raise ValueError(f"gpus {gpus} requested but this machine has {available} GPU(s): ids {missing} do not exist")
+            raise ValueError(
+                f"gpus {gpus} requested but this machine has {available} GPU(s): ids {missing} do not exist"
+            )
         return list(gpus)
     if gpus > available:
         raise ValueError(f"gpus={gpus} requested but this machine has {available} GPU(s)")

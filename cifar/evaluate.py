@@ -16,10 +16,12 @@ CNN, 24x24) see the centre crop of each 32x32 test image, as the exported model 
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
+
 from cifar import plots
 from cifar.checkpoints import CheckpointEntry, index_digest, load_eval_model, load_index, select_for_evaluation
 from cifar.config import PipelineConfig
@@ -77,8 +79,9 @@ def predict_logits(model, images: np.ndarray, batch_size: int, *, flip: bool = F
             batch = tf.reverse(batch, axis=[2])  # Horizontal flip: reverse the width axis.
         return tf.cast(model(batch, training=False), tf.float32)
 
-    outputs = [forward(tf.constant(images[start : start + batch_size])).numpy()
-               for start in range(0, len(images), batch_size)]
+    outputs = [
+        forward(tf.constant(images[start : start + batch_size])).numpy() for start in range(0, len(images), batch_size)
+    ]
     return np.concatenate(outputs) if outputs else np.zeros((0, NUM_CLASSES), np.float32)
 
 
@@ -103,6 +106,7 @@ def tta_logits(
     image shifted one pixel down-right and one pixel up-left (reflect-padded), averaged. Pass the
     unshifted views' `mirrored_logits` when they are already computed.
     """
+
     def mirror_mean(batch: np.ndarray) -> np.ndarray:
         return 0.5 * sum(mirrored_logits(model, batch, batch_size))
 
@@ -142,11 +146,17 @@ def per_class_metrics(matrix: np.ndarray, class_names: Sequence[str]) -> dict[st
     true_positives = np.diag(matrix).astype(np.float64)
     predicted_counts = matrix.sum(axis=0).astype(np.float64)
     support = matrix.sum(axis=1).astype(np.float64)
-    precision = np.divide(true_positives, predicted_counts, out=np.zeros_like(true_positives), where=predicted_counts > 0)
+    precision = np.divide(
+        true_positives, predicted_counts, out=np.zeros_like(true_positives), where=predicted_counts > 0
+    )
     recall = np.divide(true_positives, support, out=np.zeros_like(true_positives), where=support > 0)
     return {
-        name: {"precision": float(precision[index]), "recall": float(recall[index]),
-               "accuracy": float(recall[index]), "support": int(support[index])}
+        name: {
+            "precision": float(precision[index]),
+            "recall": float(recall[index]),
+            "accuracy": float(recall[index]),
+            "support": int(support[index]),
+        }
         for index, name in enumerate(class_names)
     }
 
@@ -159,7 +169,9 @@ def score(probabilities: np.ndarray, labels: np.ndarray) -> dict[str, float | in
     return {"accuracy": accuracy, "loss": cross_entropy(probabilities, labels), "correct": correct}
 
 
-def predictions_table_bytes(labels: np.ndarray, probabilities: np.ndarray, flip_probabilities: np.ndarray | None) -> bytes:
+def predictions_table_bytes(
+    labels: np.ndarray, probabilities: np.ndarray, flip_probabilities: np.ndarray | None
+) -> bytes:
     """Parquet bytes with one row per test image: index, label, predicted, correct, prob_0..prob_9."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -181,8 +193,14 @@ def predictions_table_bytes(labels: np.ndarray, probabilities: np.ndarray, flip_
 
 
 def evaluate_checkpoint(
-    checkpoint_dir: Path, entry: CheckpointEntry, images: np.ndarray, labels: np.ndarray, *,
-    batch_size: int, flip_tta: bool, translate_tta: bool = False,
+    checkpoint_dir: Path,
+    entry: CheckpointEntry,
+    images: np.ndarray,
+    labels: np.ndarray,
+    *,
+    batch_size: int,
+    flip_tta: bool,
+    translate_tta: bool = False,
 ) -> dict[str, Any]:
     """Scores one checkpoint's evaluation weights: probabilities, accuracy, loss and (optionally) TTA."""
     from cifar.input_pipeline import center_crop
@@ -205,7 +223,7 @@ def evaluate_checkpoint(
 
 
 def log_to_mlflow(
-    tracking_uri: str, run_id: str, epoch: int, metrics: dict[str, Any], per_checkpoint: list[dict], output_dir: Path,
+    tracking_uri: str, run_id: str, epoch: int, metrics: dict[str, Any], per_checkpoint: list[dict], output_dir: Path
 ) -> None:
     """Test metrics at step = the checkpoint's epoch, and the evaluation files under `evaluation/`."""
     import mlflow
@@ -262,11 +280,21 @@ def evaluate(
     best_outcome: dict[str, Any] | None = None
     for entry in entries:
         is_chosen = entry.epoch == chosen.epoch
-        outcome = evaluate_checkpoint(checkpoint_dir, entry, images, labels, batch_size=settings.batch_size,
-                                      flip_tta=settings.flip_tta and is_chosen,
-                                      translate_tta=settings.translate_tta and is_chosen)
-        row = {"epoch": entry.epoch, "accuracy": outcome["accuracy"], "loss": outcome["loss"],
-               "correct": outcome["correct"]}
+        outcome = evaluate_checkpoint(
+            checkpoint_dir,
+            entry,
+            images,
+            labels,
+            batch_size=settings.batch_size,
+            flip_tta=settings.flip_tta and is_chosen,
+            translate_tta=settings.translate_tta and is_chosen,
+        )
+        row = {
+            "epoch": entry.epoch,
+            "accuracy": outcome["accuracy"],
+            "loss": outcome["loss"],
+            "correct": outcome["correct"],
+        }
         if "val_accuracy" in entry.metrics:
             row["val_accuracy"] = entry.metrics["val_accuracy"]
         per_checkpoint.append(row)

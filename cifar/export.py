@@ -25,8 +25,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -109,10 +109,21 @@ def serving_outputs(export_dir: str | Path, images: np.ndarray, batch_size: int)
 def saved_model_cli_show(export_dir: str | Path) -> str:
     """The output of `saved_model_cli show --dir DIR --all` (the CLI from this environment)."""
     executable = Path(sys.executable).parent / "saved_model_cli"
-    command = [str(executable)] if executable.exists() else [sys.executable, "-m", "tensorflow.python.tools.saved_model_cli"]
-    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
-    result = subprocess.run([*command, "show", "--dir", str(export_dir), "--all"], capture_output=True, text=True,
-                            timeout=600, env=environment)
+    command = (
+        [str(executable)] if executable.exists() else [sys.executable, "-m", "tensorflow.python.tools.saved_model_cli"]
+    )
+    environment = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+    }
+    result = subprocess.run(
+        [*command, "show", "--dir", str(export_dir), "--all"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=environment,
+    )
     if result.returncode != 0:
         raise ExportVerificationError(f"saved_model_cli failed with {result.returncode}: {result.stderr[-2000:]}")
     return result.stdout
@@ -126,9 +137,10 @@ def expected_correct_count(expected_accuracy: float, num_examples: int) -> int:
     return round(count)
 
 
-def verify_export(export_dir: Path, images: np.ndarray, labels: np.ndarray, *, expected_accuracy: float,
-                  batch_size: int) -> tuple[int, str]:
-    """Checks the reloaded model reproduces the accuracy exactly and the CLI describes it; returns (correct, CLI text)."""
+def verify_export(
+    export_dir: Path, images: np.ndarray, labels: np.ndarray, *, expected_accuracy: float, batch_size: int
+) -> tuple[int, str]:
+    """Checks the reloaded model reproduces the accuracy exactly and the CLI describes it: (correct, CLI text)."""
     expected = expected_correct_count(expected_accuracy, len(labels))
     outputs = serving_outputs(export_dir, images, batch_size)
     correct = int(np.sum(outputs["class_ids"] == labels))
@@ -179,13 +191,26 @@ def export_model(
     temp_dir = Path(tempfile.mkdtemp(prefix=EXPORT_PARTIAL_PREFIX, suffix=EXPORT_PARTIAL_SUFFIX, dir=root))
     try:
         tf.saved_model.save(module, str(temp_dir), signatures=signatures)
-        correct, description = verify_export(temp_dir, images, labels, expected_accuracy=evaluation.test_accuracy,
-                                             batch_size=config.evaluate.batch_size)
-        result = ExportResult(key=key, export_dir="", version=0, verified_accuracy=correct / len(labels),
-                              epoch=evaluation.epoch, signatures=sorted(signatures), num_examples=len(labels),
-                              correct=correct)
-        metadata = {"key": key, "checkpoint": entry.model_path, "model": config.train.model,
-                    "class_names": manifest.class_names, "result": result.model_dump(exclude={"reused"})}
+        correct, description = verify_export(
+            temp_dir, images, labels, expected_accuracy=evaluation.test_accuracy, batch_size=config.evaluate.batch_size
+        )
+        result = ExportResult(
+            key=key,
+            export_dir="",
+            version=0,
+            verified_accuracy=correct / len(labels),
+            epoch=evaluation.epoch,
+            signatures=sorted(signatures),
+            num_examples=len(labels),
+            correct=correct,
+        )
+        metadata = {
+            "key": key,
+            "checkpoint": entry.model_path,
+            "model": config.train.model,
+            "class_names": manifest.class_names,
+            "result": result.model_dump(exclude={"reused"}),
+        }
         (temp_dir / EXPORT_METADATA_PATH).parent.mkdir(parents=True, exist_ok=True)
         (temp_dir / EXPORT_METADATA_PATH).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
         version, final = publish_version(temp_dir, root)
@@ -195,7 +220,9 @@ def export_model(
 
     result = result.model_copy(update={"export_dir": str(final), "version": version})
     if mlflow_run_id:
-        log_to_mlflow(tracking_uri or resolve_tracking_uri(config.tracking, workdir), mlflow_run_id, result, description)
+        log_to_mlflow(
+            tracking_uri or resolve_tracking_uri(config.tracking, workdir), mlflow_run_id, result, description
+        )
     return result
 
 
@@ -205,7 +232,8 @@ def log_to_mlflow(tracking_uri: str, run_id: str, result: ExportResult, descript
 
     with use_run(tracking_uri, run_id):
         # Tags, not params: a re-export in the same run publishes a new version and must be able to say so.
-        mlflow.set_tags({"export.version": str(result.version), "export.dir": result.export_dir,
-                         "export.epoch": str(result.epoch)})
+        mlflow.set_tags(
+            {"export.version": str(result.version), "export.dir": result.export_dir, "export.epoch": str(result.epoch)}
+        )
         mlflow.log_metric("export_verified_accuracy", result.verified_accuracy, step=result.epoch)
         mlflow.log_text(description, f"export/{result.version}/saved_model_cli.txt")

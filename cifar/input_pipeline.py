@@ -25,10 +25,7 @@ import tensorflow as tf
 from cifar.data.manifest import IMAGE_SHAPE, Manifest, load_manifest
 
 PAD_PIXELS = 4  # Pad-and-crop shift for 32x32 models (the ResNet paper's augmentation).
-FEATURES = {
-    "image": tf.io.FixedLenFeature([], tf.string),
-    "label": tf.io.FixedLenFeature([], tf.int64),
-}
+FEATURES = {"image": tf.io.FixedLenFeature([], tf.string), "label": tf.io.FixedLenFeature([], tf.int64)}
 
 
 def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
@@ -37,8 +34,7 @@ def per_replica_batch_size(global_batch_size: int, num_replicas: int) -> int:
         raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
     if global_batch_size % num_replicas:
         raise ValueError(
-            f"batch_size {global_batch_size} is the global batch and must be divisible by the "
-            f"{num_replicas} replicas"
+            f"batch_size {global_batch_size} is the global batch and must be divisible by the {num_replicas} replicas"
         )
     return global_batch_size // num_replicas
 
@@ -58,7 +54,12 @@ def _gather_crops(images: tf.Tensor, rows: tf.Tensor, columns: tf.Tensor) -> tf.
 
 
 def random_crop_flip(
-    images: tf.Tensor, size: int, pad: int, seed: tf.Tensor, *, padding_mode: str = "zeros",
+    images: tf.Tensor,
+    size: int,
+    pad: int,
+    seed: tf.Tensor,
+    *,
+    padding_mode: str = "zeros",
     flips: tf.Tensor | None = None,
 ) -> tf.Tensor:
     """Batched augmentation: pad by `pad`, take a random `size` crop per image, flip half.
@@ -217,12 +218,7 @@ def make_train_dataset(
 
 
 def make_eval_dataset(
-    data_dir: str | Path,
-    *,
-    splits: list[str],
-    batch_size: int,
-    image_size: int,
-    cache: bool = False,
+    data_dir: str | Path, *, splits: list[str], batch_size: int, image_size: int, cache: bool = False
 ) -> tf.data.Dataset:
     """Every example of the splits exactly once, in file order, in batches (the last may be short)."""
     manifest = load_manifest(data_dir)

@@ -8,8 +8,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 CHUNK_BYTES = 1 << 20  # Read files in 1 MiB chunks when hashing.
 HEX_LENGTHS = {"sha256": 64, "md5": 32}  # Hex characters of each digest the pipeline checks.

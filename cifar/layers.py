@@ -93,12 +93,18 @@ class FusedBatchNormalization(layers.Layer):
             else None
         )
         self.moving_mean = self.add_weight(
-            shape=(channels,), name="moving_mean", initializer=self.moving_mean_initializer,
-            trainable=False, autocast=False,
+            shape=(channels,),
+            name="moving_mean",
+            initializer=self.moving_mean_initializer,
+            trainable=False,
+            autocast=False,
         )
         self.moving_variance = self.add_weight(
-            shape=(channels,), name="moving_variance", initializer=self.moving_variance_initializer,
-            trainable=False, autocast=False,
+            shape=(channels,),
+            name="moving_variance",
+            initializer=self.moving_variance_initializer,
+            trainable=False,
+            autocast=False,
         )
         self.input_spec = layers.InputSpec(min_ndim=2, axes={-1: channels})
 
@@ -121,22 +127,31 @@ class FusedBatchNormalization(layers.Layer):
 
         if training and self.trainable:
             outputs, batch_mean, batch_variance, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-                x=x, scale=scale, offset=offset,
-                mean=tf.constant([], tf.float32), variance=tf.constant([], tf.float32),
-                epsilon=epsilon, exponential_avg_factor=1.0, data_format="NHWC", is_training=True,
+                x=x,
+                scale=scale,
+                offset=offset,
+                mean=tf.constant([], tf.float32),
+                variance=tf.constant([], tf.float32),
+                epsilon=epsilon,
+                exponential_avg_factor=1.0,
+                data_format="NHWC",
+                is_training=True,
             )
             # Undo the kernel's Bessel correction: Keras averages the biased variance.
             count = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
             biased_variance = batch_variance * ((count - 1.0) / tf.maximum(count, 1.0))
             self.moving_mean.assign(self.moving_mean * self.momentum + batch_mean * (1.0 - self.momentum))
-            self.moving_variance.assign(
-                self.moving_variance * self.momentum + biased_variance * (1.0 - self.momentum)
-            )
+            self.moving_variance.assign(self.moving_variance * self.momentum + biased_variance * (1.0 - self.momentum))
         else:
             outputs, _, _, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-                x=x, scale=scale, offset=offset,
-                mean=tf.convert_to_tensor(self.moving_mean), variance=tf.convert_to_tensor(self.moving_variance),
-                epsilon=epsilon, data_format="NHWC", is_training=False,
+                x=x,
+                scale=scale,
+                offset=offset,
+                mean=tf.convert_to_tensor(self.moving_mean),
+                variance=tf.convert_to_tensor(self.moving_variance),
+                epsilon=epsilon,
+                data_format="NHWC",
+                is_training=False,
             )
         if rank != 4:
             outputs = tf.reshape(outputs, tf.shape(inputs))
@@ -179,7 +194,10 @@ class LocalResponseNormalization(layers.Layer):
     def call(self, inputs):
         normalized = tf.nn.local_response_normalization(
             tf.cast(inputs, tf.float32),
-            depth_radius=self.depth_radius, bias=self.bias, alpha=self.alpha, beta=self.beta,
+            depth_radius=self.depth_radius,
+            bias=self.bias,
+            alpha=self.alpha,
+            beta=self.beta,
         )
         return tf.cast(normalized, self.compute_dtype)
 
@@ -226,7 +244,9 @@ class PatchWhitening(layers.Layer):
 
         self.kernel = self.add_weight(
             shape=(self.patch_size, self.patch_size, int(channels), self.filters),
-            name="kernel", initializer=identity_basis, trainable=False,
+            name="kernel",
+            initializer=identity_basis,
+            trainable=False,
         )
         self.bias = self.add_weight(shape=(self.filters,), name="bias", initializer="zeros")
 

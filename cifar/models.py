@@ -17,7 +17,7 @@ carries regularizers: training adds the L2 penalty to the loss (`cifar.train.add
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import keras
 import numpy as np
@@ -53,7 +53,9 @@ def input_size(name: str) -> int:
     return 24 if name == "tutorial" else 32
 
 
-def normalized_input(size: int, mean: Sequence[float], std: Sequence[float]) -> tuple[keras.KerasTensor, keras.KerasTensor]:
+def normalized_input(
+    size: int, mean: Sequence[float], std: Sequence[float]
+) -> tuple[keras.KerasTensor, keras.KerasTensor]:
     """The raw-pixel input and its normalized float tensor: (x / 255 - mean) / std per channel."""
     inputs = keras.Input(shape=(size, size, 3), name="image")
     scaled = layers.Rescaling(1.0 / 255.0, name="scale")(inputs)
@@ -79,17 +81,19 @@ def logits_head(
     """
     dense_name = "logits" if output_scale is None else "classifier"
     logits = layers.Dense(
-        num_classes, use_bias=use_bias, kernel_initializer=kernel_initializer,
-        bias_initializer=bias_initializer, dtype="float32", name=dense_name,
+        num_classes,
+        use_bias=use_bias,
+        kernel_initializer=kernel_initializer,
+        bias_initializer=bias_initializer,
+        dtype="float32",
+        name=dense_name,
     )(features)
     if output_scale is not None:
         logits = layers.Rescaling(output_scale, dtype="float32", name="logits")(logits)
     return logits
 
 
-def batch_norm(
-    fused: bool, *, momentum: float, epsilon: float, scale: bool = True, name: str
-) -> layers.Layer:
+def batch_norm(fused: bool, *, momentum: float, epsilon: float, scale: bool = True, name: str) -> layers.Layer:
     """Batch normalization over channels: the fused-kernel layer or Keras's own, same numerics."""
     if fused:
         return FusedBatchNormalization(momentum=momentum, epsilon=epsilon, scale=scale, name=name)
@@ -126,8 +130,13 @@ def build_tutorial(mean: Sequence[float], std: Sequence[float], **_: object) -> 
     x = layers.MaxPooling2D(3, strides=2, padding="same", name="pool1")(x)  # (B, 12, 12, 64)
     x = LocalResponseNormalization(**TUTORIAL_LRN, name="norm1")(x)
     x = layers.Conv2D(
-        64, 5, padding="same", activation="relu", kernel_initializer=conv_init,
-        bias_initializer=keras.initializers.Constant(0.1), name="conv2",
+        64,
+        5,
+        padding="same",
+        activation="relu",
+        kernel_initializer=conv_init,
+        bias_initializer=keras.initializers.Constant(0.1),
+        name="conv2",
     )(x)
     # The tutorial normalizes before pooling in the second stage (the reverse of the first).
     x = LocalResponseNormalization(**TUTORIAL_LRN, name="norm2")(x)
@@ -135,8 +144,11 @@ def build_tutorial(mean: Sequence[float], std: Sequence[float], **_: object) -> 
     x = layers.Flatten(name="flatten")(x)  # (B, 2304)
     for units, name in ((384, "local3"), (192, "local4")):
         x = layers.Dense(
-            units, activation="relu", kernel_initializer=dense_init,
-            bias_initializer=keras.initializers.Constant(0.1), name=name,
+            units,
+            activation="relu",
+            kernel_initializer=dense_init,
+            bias_initializer=keras.initializers.Constant(0.1),
+            name=name,
         )(x)
     logits = logits_head(x, kernel_initializer=keras.initializers.TruncatedNormal(stddev=1.0 / 192.0))
     return keras.Model(inputs, logits, name="tutorial")
@@ -250,8 +262,7 @@ def _fast_conv_group(x: keras.KerasTensor, filters: int, fused: bool, fused_gelu
 
 @register("fast")
 def build_fast(
-    mean: Sequence[float], std: Sequence[float], *, fused_batchnorm: bool = True, fused_gelu: bool = True,
-    **_: object,
+    mean: Sequence[float], std: Sequence[float], *, fused_batchnorm: bool = True, fused_gelu: bool = True, **_: object
 ) -> keras.Model:
     """airbench94's net: frozen 2x2 patch whitening, three conv groups 64/256/256, global max pool.
 

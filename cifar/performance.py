@@ -100,11 +100,7 @@ def onednn_enabled() -> bool:
 
 
 def configure_performance(
-    train: TrainConfig,
-    num_gpus: int,
-    *,
-    intra_op_threads: int | None = None,
-    inter_op_threads: int | None = None,
+    train: TrainConfig, num_gpus: int, *, intra_op_threads: int | None = None, inter_op_threads: int | None = None
 ) -> dict[str, str]:
     """Applies precision policy, threading, jit choice; returns the resolved settings for logging.
 

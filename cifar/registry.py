@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from mlflow.pyfunc import PythonModel
+
 from cifar.config import PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE
 from cifar.export import INPUT_NAME, SERVING_SIGNATURE
@@ -67,7 +68,11 @@ class SavedModelClassifier(PythonModel):
 
 
 def promotion_decision(
-    test_accuracy: float, champion_accuracy: float | None, *, min_accuracy: float, tolerance: float,
+    test_accuracy: float,
+    champion_accuracy: float | None,
+    *,
+    min_accuracy: float,
+    tolerance: float,
     champion_version: int | None = None,
 ) -> tuple[bool, str]:
     """Whether a model with `test_accuracy` should become champion, and why (or why not)."""
@@ -79,10 +84,14 @@ def promotion_decision(
         return True, f"first champion: test accuracy {test_accuracy:.4f} >= export.min_accuracy {min_accuracy:.4f}"
     floor = champion_accuracy - tolerance
     if test_accuracy < floor:
-        return False, (f"test accuracy {test_accuracy:.4f} is below the champion's {champion_accuracy:.4f} "
-                       f"minus tolerance {tolerance:.4f}; keeping the champion v{champion_version}")
-    return True, (f"test accuracy {test_accuracy:.4f} >= the champion's {champion_accuracy:.4f} "
-                  f"minus tolerance {tolerance:.4f} (was v{champion_version})")
+        return False, (
+            f"test accuracy {test_accuracy:.4f} is below the champion's {champion_accuracy:.4f} "
+            f"minus tolerance {tolerance:.4f}; keeping the champion v{champion_version}"
+        )
+    return True, (
+        f"test accuracy {test_accuracy:.4f} >= the champion's {champion_accuracy:.4f} "
+        f"minus tolerance {tolerance:.4f} (was v{champion_version})"
+    )
 
 
 def current_champion(client, model_name: str) -> tuple[int | None, float | None]:
@@ -130,8 +139,9 @@ def register_version(client, model_name: str, model_info, tags: dict[str, str]) 
     except MlflowException as error:
         if error.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    version = client.create_model_version(model_name, source=model_info.model_uri, run_id=model_info.run_id,
-                                          model_id=model_info.model_id, tags=tags)
+    version = client.create_model_version(
+        model_name, source=model_info.model_uri, run_id=model_info.run_id, model_id=model_info.model_id, tags=tags
+    )
     return int(version.version)
 
 
@@ -156,11 +166,17 @@ def recorded_decision(version, key: str) -> PromotionResult | None:
     def optional(name: str, cast):
         return cast(tags[name]) if tags.get(name) not in (None, "") else None
 
-    return PromotionResult(key=key, reused=True, registered_model_version=int(version.version),
-                           champion=tags["promotion.champion"] == "true", test_accuracy=float(tags[ACCURACY_TAG]),
-                           champion_accuracy_before=optional("promotion.champion_accuracy_before", float),
-                           champion_version_before=optional("promotion.champion_version_before", int),
-                           model_uri=version.source, reason=tags["promotion.reason"])
+    return PromotionResult(
+        key=key,
+        reused=True,
+        registered_model_version=int(version.version),
+        champion=tags["promotion.champion"] == "true",
+        test_accuracy=float(tags[ACCURACY_TAG]),
+        champion_accuracy_before=optional("promotion.champion_accuracy_before", float),
+        champion_version_before=optional("promotion.champion_version_before", int),
+        model_uri=version.source,
+        reason=tags["promotion.reason"],
+    )
 
 
 def _example_outputs(export_dir: str, input_example: np.ndarray) -> dict[str, np.ndarray]:
@@ -213,14 +229,24 @@ def register_and_promote(
             model_info = log_pyfunc_model(export_result, _input_example(input_example))
             model_uri = model_info.model_uri
         if not register:
-            result = PromotionResult(key=key, registered_model_version=None, champion=False, test_accuracy=test_accuracy,
-                                     champion_accuracy_before=None, model_uri=model_uri,
-                                     reason="registration disabled (export.register_model is false)")
+            result = PromotionResult(
+                key=key,
+                registered_model_version=None,
+                champion=False,
+                test_accuracy=test_accuracy,
+                champion_accuracy_before=None,
+                model_uri=model_uri,
+                reason="registration disabled (export.register_model is false)",
+            )
         else:
             if version is None:
-                tags = {EXPORT_KEY_TAG: export_result.key, ACCURACY_TAG: repr(float(test_accuracy)),
-                        "export_version": str(export_result.version), "export_dir": export_result.export_dir,
-                        "epoch": str(export_result.epoch)}
+                tags = {
+                    EXPORT_KEY_TAG: export_result.key,
+                    ACCURACY_TAG: repr(float(test_accuracy)),
+                    "export_version": str(export_result.version),
+                    "export_dir": export_result.export_dir,
+                    "epoch": str(export_result.epoch),
+                }
                 number = register_version(client, model_name, model_info, tags)
             else:  # Registered by an attempt that died before the gate decided.
                 number, model_uri = int(version.version), version.source
@@ -235,22 +261,39 @@ def _input_example(input_example: np.ndarray | None) -> np.ndarray:
     return np.asarray(input_example, dtype=np.uint8)
 
 
-def _gate(client, config: PipelineConfig, key: str, version: int, model_uri: str, test_accuracy: float) -> PromotionResult:
+def _gate(
+    client, config: PipelineConfig, key: str, version: int, model_uri: str, test_accuracy: float
+) -> PromotionResult:
     """Applies the promotion gate to the champion alias, then records the decision on the version."""
     model_name = config.export.model_name
     champion_version, champion_accuracy = current_champion(client, model_name)
     if champion_version == version:  # An earlier attempt moved the alias, then died before recording it.
         champion_version, champion_accuracy = None, None
-    promote, reason = promotion_decision(test_accuracy, champion_accuracy, min_accuracy=config.export.min_accuracy,
-                                         tolerance=config.export.tolerance, champion_version=champion_version)
+    promote, reason = promotion_decision(
+        test_accuracy,
+        champion_accuracy,
+        min_accuracy=config.export.min_accuracy,
+        tolerance=config.export.tolerance,
+        champion_version=champion_version,
+    )
     if promote:
         client.set_registered_model_alias(model_name, CHAMPION_ALIAS, str(version))
-    result = PromotionResult(key=key, registered_model_version=version, champion=promote, test_accuracy=test_accuracy,
-                             champion_accuracy_before=champion_accuracy, champion_version_before=champion_version,
-                             model_uri=model_uri, reason=reason)
-    recorded = {"promotion.champion_accuracy_before": "" if champion_accuracy is None else repr(champion_accuracy),
-                "promotion.champion_version_before": "" if champion_version is None else str(champion_version),
-                "promotion.reason": reason, DECISION_TAG: str(promote).lower()}
+    result = PromotionResult(
+        key=key,
+        registered_model_version=version,
+        champion=promote,
+        test_accuracy=test_accuracy,
+        champion_accuracy_before=champion_accuracy,
+        champion_version_before=champion_version,
+        model_uri=model_uri,
+        reason=reason,
+    )
+    recorded = {
+        "promotion.champion_accuracy_before": "" if champion_accuracy is None else repr(champion_accuracy),
+        "promotion.champion_version_before": "" if champion_version is None else str(champion_version),
+        "promotion.reason": reason,
+        DECISION_TAG: str(promote).lower(),
+    }
     for name, value in recorded.items():  # The decision tag last: its presence means the record is complete.
         client.set_model_version_tag(model_name, str(version), name, value)
     return result

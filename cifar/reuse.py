@@ -89,8 +89,10 @@ def module_closure(module: str) -> dict[str, Path]:
 
 def code_version(stage: str) -> str:
     """A hash of the source of every project module `stage` executes (their paths and bytes)."""
-    files = {path.relative_to(PACKAGE_DIR).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
-             for path in module_closure(STAGE_MODULES[stage]).values()}
+    files = {
+        path.relative_to(PACKAGE_DIR).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in module_closure(STAGE_MODULES[stage]).values()
+    }
     return stable_hash(files, KEY_LENGTH)
 
 
@@ -101,8 +103,12 @@ def stage_key(stage: str, **material: Any) -> str:
 
 def data_settings(data: DataConfig) -> dict[str, int]:
     """The data settings that shape the shards (recorded in the manifest)."""
-    return {"validation_size": data.validation_size, "train_shards": data.train_shards,
-            "validation_shards": data.validation_shards, "test_shards": data.test_shards}
+    return {
+        "validation_size": data.validation_size,
+        "train_shards": data.train_shards,
+        "validation_shards": data.validation_shards,
+        "test_shards": data.test_shards,
+    }
 
 
 def data_key(data: DataConfig, archive_sha256: str) -> str:
@@ -118,8 +124,9 @@ def training_key(config: PipelineConfig, data_key: str) -> str:
 
 def evaluation_key(config: PipelineConfig, data_key: str, checkpoints_sha256: str) -> str:
     """The evaluate stage: the test data, the checkpoints it scores (their index's digest), its settings."""
-    return stage_key("evaluate", data=data_key, checkpoints=checkpoints_sha256,
-                     evaluate=config.evaluate.model_dump(mode="json"))
+    return stage_key(
+        "evaluate", data=data_key, checkpoints=checkpoints_sha256, evaluate=config.evaluate.model_dump(mode="json")
+    )
 
 
 def export_key(config: PipelineConfig, evaluation_key: str) -> str:
@@ -129,5 +136,6 @@ def export_key(config: PipelineConfig, evaluation_key: str) -> str:
 
 def registration_key(config: PipelineConfig, export_key: str, tracking_uri: str) -> str:
     """The register stage: the export it registers, the gate and where the registry is."""
-    return stage_key("register", export=export_key, gate=config.export.model_dump(mode="json"),
-                     tracking_uri=tracking_uri)
+    return stage_key(
+        "register", export=export_key, gate=config.export.model_dump(mode="json"), tracking_uri=tracking_uri
+    )

@@ -61,8 +61,12 @@ class WarmupPiecewise(keras.optimizers.schedules.LearningRateSchedule):
         return self.peak * multiplier * _warmup_factor(step, self.warmup_steps)
 
     def get_config(self) -> dict:
-        return {"peak": self.peak, "boundaries": self.boundaries, "multipliers": self.multipliers,
-                "warmup_steps": self.warmup_steps}
+        return {
+            "peak": self.peak,
+            "boundaries": self.boundaries,
+            "multipliers": self.multipliers,
+            "warmup_steps": self.warmup_steps,
+        }
 
 
 class _PeakOverRunSchedule(keras.optimizers.schedules.LearningRateSchedule):
@@ -94,8 +98,14 @@ class OneCycle(_PeakOverRunSchedule):
     """Triangular one-cycle: linear from `initial_factor` x peak to the peak over the warm-up, then
     linear down to `final_factor` x peak at `total_steps` (both factors 0 by default)."""
 
-    def __init__(self, peak: float, total_steps: int, warmup_steps: int = 0,
-                 initial_factor: float = 0.0, final_factor: float = 0.0):
+    def __init__(
+        self,
+        peak: float,
+        total_steps: int,
+        warmup_steps: int = 0,
+        initial_factor: float = 0.0,
+        final_factor: float = 0.0,
+    ):
         super().__init__(peak, total_steps, warmup_steps)
         if not (0.0 <= initial_factor <= 1.0 and 0.0 <= final_factor <= 1.0):
             raise ValueError(f"one-cycle factors must be in [0, 1], got {initial_factor} and {final_factor}")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from cifar import compat
 from cifar.config import TrackingConfig
@@ -51,7 +51,7 @@ def ensure_experiment(tracking_uri: str, workdir: str | Path, name: str) -> str:
 
 
 @contextlib.contextmanager
-def use_run(tracking_uri: str, run_id: str) -> Iterator["mlflow.ActiveRun"]:  # noqa: F821
+def use_run(tracking_uri: str, run_id: str) -> Iterator[mlflow.ActiveRun]:  # noqa: F821
     """Resumes `run_id` as the active MLflow run for `mlflow.log_*` calls.
 
     Reuses it if it is already active; otherwise the run is ended on exit (FINISHED, or FAILED
@@ -80,9 +80,8 @@ def active_run(tracking_uri: str, run_id: str | None, *, system_metrics: bool) -
         return
     import mlflow
 
-    with compat.mlflow_tracking_uri(tracking_uri):
-        with mlflow.start_run(run_id=run_id, log_system_metrics=system_metrics):
-            yield
+    with compat.mlflow_tracking_uri(tracking_uri), mlflow.start_run(run_id=run_id, log_system_metrics=system_metrics):
+        yield
 
 
 def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
@@ -150,7 +149,7 @@ def log_params(tracking_uri: str, run_id: str, params: dict) -> None:
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     items = [Param(key, value) for key, value in stringify_params(params).items()]
     for start in range(0, len(items), 100):
-        client.log_batch(run_id, params=items[start:start + 100])
+        client.log_batch(run_id, params=items[start : start + 100])
 
 
 def log_epoch_metrics(tracking_uri: str, run_id: str, epoch: int, metrics: dict[str, float]) -> None:
@@ -198,5 +197,4 @@ def manifest_dataset(manifest, data_dir: str | Path):
         with warnings.catch_warnings():  # A local path matches two equivalent local source types.
             warnings.simplefilter("ignore", UserWarning)
             source = resolve_dataset_source(location)
-    return MetaDataset(source, name=Path(data_dir).name, digest=digest,
-                       schema=schema)
+    return MetaDataset(source, name=Path(data_dir).name, digest=digest, schema=schema)

@@ -41,8 +41,8 @@ import dataclasses
 import logging
 import re
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import keras
 import numpy as np
@@ -112,9 +112,7 @@ def compute_steps_per_epoch(config: PipelineConfig, num_examples: int) -> int:
     """Full global batches per epoch, capped by `train.steps_per_epoch`."""
     full_batches = num_examples // config.train.batch_size
     if full_batches < 1:
-        raise ValueError(
-            f"batch_size {config.train.batch_size} is larger than the {num_examples} training examples"
-        )
+        raise ValueError(f"batch_size {config.train.batch_size} is larger than the {num_examples} training examples")
     cap = config.train.steps_per_epoch
     return min(full_batches, cap) if cap else full_batches
 
@@ -123,8 +121,9 @@ BATCH_NORM_BIAS_PATTERN = r"(^|/)beta$"  # Batch-norm biases (Keras's and ours a
 WHITENING_BIAS_PATTERN = r"(^|/)whitening/bias$"  # The fast net's PatchWhitening bias.
 
 
-def add_weight_decay(model: keras.Model, weight_decay: float, *, decay_biases: bool = False,
-                     bias_multiplier: float = 1.0) -> list[str]:
+def add_weight_decay(
+    model: keras.Model, weight_decay: float, *, decay_biases: bool = False, bias_multiplier: float = 1.0
+) -> list[str]:
     """Puts an L2 penalty (gradient `weight_decay * w`) on every conv/dense kernel; returns their paths.
 
     With `decay_biases` every other trainable variable (biases, batch-norm beta/gamma) is decayed
@@ -154,9 +153,14 @@ def make_optimizer(config: PipelineConfig, steps_per_epoch: int) -> GroupedSGD:
     """SGD with momentum on the configured schedule, with airbench's parameter groups when asked."""
     train = config.train
     schedule = schedules.make_schedule(
-        train.schedule, learning_rate=train.learning_rate, batch_size=train.batch_size,
-        steps_per_epoch=steps_per_epoch, epochs=train.epochs, warmup_epochs=train.warmup_epochs,
-        initial_factor=train.warmup_initial_factor, final_factor=train.final_learning_rate_factor,
+        train.schedule,
+        learning_rate=train.learning_rate,
+        batch_size=train.batch_size,
+        steps_per_epoch=steps_per_epoch,
+        epochs=train.epochs,
+        warmup_epochs=train.warmup_epochs,
+        initial_factor=train.warmup_initial_factor,
+        final_factor=train.final_learning_rate_factor,
     )
     multipliers = {}
     if train.bias_learning_rate_multiplier != 1.0:
@@ -165,9 +169,13 @@ def make_optimizer(config: PipelineConfig, steps_per_epoch: int) -> GroupedSGD:
     if train.whitening_bias_epochs is not None:
         stops[WHITENING_BIAS_PATTERN] = int(round(train.whitening_bias_epochs * steps_per_epoch))
     return GroupedSGD(
-        learning_rate=schedule, momentum=train.momentum, nesterov=train.nesterov,
-        learning_rate_multipliers=multipliers, stop_after_steps=stops,
-        use_ema=train.ema_decay is not None, ema_momentum=train.ema_decay or 0.99,
+        learning_rate=schedule,
+        momentum=train.momentum,
+        nesterov=train.nesterov,
+        learning_rate_multipliers=multipliers,
+        stop_after_steps=stops,
+        use_ema=train.ema_decay is not None,
+        ema_momentum=train.ema_decay or 0.99,
     )
 
 
@@ -177,8 +185,12 @@ def compile_model(model: keras.Model, config: PipelineConfig, steps_per_epoch: i
         loss = SparseCrossentropyWithSmoothing(train.label_smoothing)
     else:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model.compile(optimizer=make_optimizer(config, steps_per_epoch), loss=loss,
-                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")], jit_compile=jit_compile)
+    model.compile(
+        optimizer=make_optimizer(config, steps_per_epoch),
+        loss=loss,
+        metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+        jit_compile=jit_compile,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,10 +221,16 @@ def plan_job(config: PipelineConfig, data_dir: str | Path, workdir: str | Path) 
     key = training_key(config, manifest.key or "")
     num_train_examples = split_size(manifest, training_splits(config, manifest)[0])
     return TrainingJob(
-        config=config, plan=plan, workdir=workdir, data_dir=Path(data_dir), manifest=manifest,
+        config=config,
+        plan=plan,
+        workdir=workdir,
+        data_dir=Path(data_dir),
+        manifest=manifest,
         run=RunDirectory(run_dir(workdir, config.train.run_name or default_run_name(config.train.model, key))),
-        key=key, tracking_uri=tracking.resolve_tracking_uri(config.tracking, workdir),
-        steps_per_epoch=compute_steps_per_epoch(config, num_train_examples), num_train_examples=num_train_examples,
+        key=key,
+        tracking_uri=tracking.resolve_tracking_uri(config.tracking, workdir),
+        steps_per_epoch=compute_steps_per_epoch(config, num_train_examples),
+        num_train_examples=num_train_examples,
     )
 
 
@@ -258,9 +276,14 @@ def train(
 
     run_id = _open_tracking(job, history, performance) if job.plan.is_chief else None
     checkpoint_dir = distribute.writable_dir(job.plan, run.checkpoint_dir)
-    checkpointer = EpochCheckpoint(checkpoint_dir, keep=job.train.keep_checkpoints, index=index, history=history,
-                                   history_path=run.history_path if job.plan.is_chief else None,
-                                   write_records=job.plan.is_chief)
+    checkpointer = EpochCheckpoint(
+        checkpoint_dir,
+        keep=job.train.keep_checkpoints,
+        index=index,
+        history=history,
+        history_path=run.history_path if job.plan.is_chief else None,
+        write_records=job.plan.is_chief,
+    )
     try:
         if initial_epoch < job.train.epochs:
             all_callbacks = [*_callbacks(job, checkpointer, run_id, epoch_callback), *callbacks]
@@ -283,20 +306,30 @@ def _build_model(job: TrainingJob, strategy, jit_compile: bool, checkpoint: Path
     """The compiled model under the strategy, restored from `checkpoint` (weights + optimizer) if given."""
     train = job.train
     with strategy.scope():
-        model = build_model(train.model, mean=job.manifest.mean, std=job.manifest.std,
-                            fused_batchnorm=train.fused_batchnorm, fused_gelu=train.fused_gelu)
+        model = build_model(
+            train.model,
+            mean=job.manifest.mean,
+            std=job.manifest.std,
+            fused_batchnorm=train.fused_batchnorm,
+            fused_gelu=train.fused_gelu,
+        )
         if checkpoint is None and any(isinstance(layer, PatchWhitening) for layer in model.layers):
             # The fast net's frozen first conv whitens 2x2 patches; its filters come from the data
             # (airbench94's init_whitening_conv). A resumed run restores them from the checkpoint.
             init_whitening(model, _whitening_images(job))
-        add_weight_decay(model, train.weight_decay, decay_biases=train.decay_biases,
-                         bias_multiplier=train.bias_learning_rate_multiplier)
+        add_weight_decay(
+            model,
+            train.weight_decay,
+            decay_biases=train.decay_biases,
+            bias_multiplier=train.bias_learning_rate_multiplier,
+        )
         compile_model(model, job.config, job.steps_per_epoch, jit_compile)
         if job.plan.cluster is not None:
             batch = train.batch_size // job.plan.num_replicas
             size = input_size(train.model)
-            compat.build_from_sample(model, strategy, (tf.zeros([batch, size, size, 3], tf.uint8),
-                                                       tf.zeros([batch], tf.int32)))
+            compat.build_from_sample(
+                model, strategy, (tf.zeros([batch, size, size, 3], tf.uint8), tf.zeros([batch], tf.int32))
+            )
         if checkpoint is not None:
             # Optimizer slots must exist before loading, or Keras skips the saved optimizer state.
             model.optimizer.build(model.trainable_variables)
@@ -325,14 +358,21 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
     run, uri, train = job.run, job.tracking_uri, job.train
     run.path.mkdir(parents=True, exist_ok=True)
     # What this attempt runs on (a resume may differ), set on every attempt.
-    attempt_tags = {"devices": job.plan.summary(), **{f"performance.{key}": value for key, value in performance.items()}}
+    attempt_tags = {
+        "devices": job.plan.summary(),
+        **{f"performance.{key}": value for key, value in performance.items()},
+    }
     run_id = run.read_state().get("mlflow_run_id")
     if not (run_id and tracking.run_exists(uri, run_id)):
         tags = {"model": train.model, "run_name": run.name, "git_commit": tracking.git_commit() or "unknown"}
         run_id = tracking.create_run(uri, job.workdir, job.config.tracking.experiment, run.name, tags)
-        derived = {"derived.steps_per_epoch": job.steps_per_epoch, "derived.train_examples": job.num_train_examples,
-                   "derived.peak_learning_rate": schedules.scaled_learning_rate(train.learning_rate, train.batch_size),
-                   "derived.data_key": job.manifest.key, "derived.training_key": job.key}
+        derived = {
+            "derived.steps_per_epoch": job.steps_per_epoch,
+            "derived.train_examples": job.num_train_examples,
+            "derived.peak_learning_rate": schedules.scaled_learning_rate(train.learning_rate, train.batch_size),
+            "derived.data_key": job.manifest.key,
+            "derived.training_key": job.key,
+        }
         tracking.log_params(uri, run_id, {**job.config.flat(), **derived})
         with tracking.use_run(uri, run_id):
             mlflow.log_input(tracking.manifest_dataset(job.manifest, job.data_dir), context="training")
@@ -349,8 +389,9 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
     return run_id
 
 
-def _callbacks(job: TrainingJob, checkpointer: EpochCheckpoint, run_id: str | None,
-               epoch_callback: Callable[[dict], None] | None) -> list[keras.callbacks.Callback]:
+def _callbacks(
+    job: TrainingJob, checkpointer: EpochCheckpoint, run_id: str | None, epoch_callback: Callable[[dict], None] | None
+) -> list[keras.callbacks.Callback]:
     """The training callbacks, in the order `cifar.callbacks` explains."""
     train = job.train
     callbacks: list[keras.callbacks.Callback] = [EpochStatistics(train.batch_size), DivergenceGuard()]
@@ -360,8 +401,9 @@ def _callbacks(job: TrainingJob, checkpointer: EpochCheckpoint, run_id: str | No
         callbacks.append(Lookahead(train.lookahead_steps, job.steps_per_epoch, job.steps_per_epoch * train.epochs))
     callbacks.append(checkpointer)
     if run_id is not None:
-        callbacks.append(MetricsLogger(
-            lambda epoch, metrics: tracking.log_epoch_metrics(job.tracking_uri, run_id, epoch, metrics)))
+        callbacks.append(
+            MetricsLogger(lambda epoch, metrics: tracking.log_epoch_metrics(job.tracking_uri, run_id, epoch, metrics))
+        )
     if epoch_callback is not None:
         callbacks.append(EpochProgress(epoch_callback, train.epochs))
     return callbacks
@@ -375,30 +417,59 @@ def _fit(job: TrainingJob, model: keras.Model, initial_epoch: int, callbacks: li
     # Multi-worker element sharding needs the same element order on every worker.
     deterministic = train.deterministic or job.plan.num_workers > 1
     train_dataset = make_train_dataset(
-        job.data_dir, splits=train_splits, batch_size=train.batch_size, image_size=image_size, seed=job.config.seed,
-        augment=train.augment, cache=train.cache, shuffle_buffer=train.shuffle_buffer, deterministic=deterministic,
-        start_step=initial_epoch * job.steps_per_epoch, crop_padding=train.crop_padding,
-        padding_mode=train.padding_mode, flip=train.flip, steps_per_epoch=job.steps_per_epoch,
+        job.data_dir,
+        splits=train_splits,
+        batch_size=train.batch_size,
+        image_size=image_size,
+        seed=job.config.seed,
+        augment=train.augment,
+        cache=train.cache,
+        shuffle_buffer=train.shuffle_buffer,
+        deterministic=deterministic,
+        start_step=initial_epoch * job.steps_per_epoch,
+        crop_padding=train.crop_padding,
+        padding_mode=train.padding_mode,
+        flip=train.flip,
+        steps_per_epoch=job.steps_per_epoch,
     )
     validation_dataset = None
     if validation_splits:
-        validation_dataset = make_eval_dataset(job.data_dir, splits=validation_splits, batch_size=train.batch_size,
-                                               image_size=image_size, cache=train.cache)
+        validation_dataset = make_eval_dataset(
+            job.data_dir,
+            splits=validation_splits,
+            batch_size=train.batch_size,
+            image_size=image_size,
+            cache=train.cache,
+        )
     verbose = 1 if sys.stdout.isatty() else 2  # A live progress bar on a terminal, one line per epoch in logs.
     with tracking.active_run(job.tracking_uri, run_id, system_metrics=job.config.tracking.system_metrics):
         # Ended FINISHED on success; FAILED on any exception (a SIGKILL leaves it RUNNING until resumed).
-        model.fit(train_dataset, epochs=train.epochs, initial_epoch=initial_epoch, steps_per_epoch=job.steps_per_epoch,
-                  validation_data=validation_dataset, callbacks=callbacks, verbose=verbose, shuffle=False)
+        model.fit(
+            train_dataset,
+            epochs=train.epochs,
+            initial_epoch=initial_epoch,
+            steps_per_epoch=job.steps_per_epoch,
+            validation_data=validation_dataset,
+            callbacks=callbacks,
+            verbose=verbose,
+            shuffle=False,
+        )
 
 
 def _result(job: TrainingJob, run_id: str | None, index: CheckpointIndex, history: dict[str, list]) -> TrainResult:
     rows = history_rows(history)
     best = index.best
     return TrainResult(
-        key=job.key, run_name=job.run.name, run_dir=str(job.run.path), checkpoint_dir=str(job.run.checkpoint_dir),
-        mlflow_run_id=run_id, tracking_uri=job.tracking_uri,
-        epochs_completed=index.latest.epoch if index.latest else 0, best_epoch=index.best_epoch,
-        val_accuracy=best.metrics.get("val_accuracy") if best else None, metrics=rows[-1][1] if rows else {},
+        key=job.key,
+        run_name=job.run.name,
+        run_dir=str(job.run.path),
+        checkpoint_dir=str(job.run.checkpoint_dir),
+        mlflow_run_id=run_id,
+        tracking_uri=job.tracking_uri,
+        epochs_completed=index.latest.epoch if index.latest else 0,
+        best_epoch=index.best_epoch,
+        val_accuracy=best.metrics.get("val_accuracy") if best else None,
+        metrics=rows[-1][1] if rows else {},
         model=job.train.model,
     )
 

@@ -21,14 +21,17 @@ def plot_training_curves(history: dict[str, list[float]], path: str | Path) -> P
     path.parent.mkdir(parents=True, exist_ok=True)
     lengths = [len(values) for key, values in history.items() if key != "epoch"]
     epochs = history.get("epoch") or list(range(1, max(lengths, default=0) + 1))
-    panels = [("loss", ["loss", "val_loss"]), ("accuracy", ["accuracy", "val_accuracy"]),
-              ("learning rate", ["learning_rate"])]
+    panels = [
+        ("loss", ["loss", "val_loss"]),
+        ("accuracy", ["accuracy", "val_accuracy"]),
+        ("learning rate", ["learning_rate"]),
+    ]
     figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.5))
     for axis, (title, keys) in zip(axes, panels):
         for key in keys:
             values = history.get(key)
             if values:
-                axis.plot(epochs[:len(values)], values, marker="o", markersize=3, label=key)
+                axis.plot(epochs[: len(values)], values, marker="o", markersize=3, label=key)
         axis.set_title(title)
         axis.set_xlabel("epoch")
         axis.grid(alpha=0.3)

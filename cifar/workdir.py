@@ -1,14 +1,14 @@
 """Where every stage puts its files under the workdir. One place, so stages and tasks agree.
 
-    WORKDIR/
-      downloads/                       archives fetched from http(s) sources (.part while in flight)
-      data/cifar10-<key>/              TFRecord shards, manifest.json, statistics parquet (data stage)
-      runs/<run_name>/                 one training run: checkpoints/, history, plots, state.json
-      runs/<run_name>/evaluation/      metrics.json, predictions.parquet, plots (evaluate stage)
-      export/<model_name>/<version>/   TF-Serving SavedModel versions (export stage); assets.extra/export.json
-                                       holds the version's key and result
-      mlflow.db, mlartifacts/          the embedded MLflow store (unless MLFLOW_TRACKING_URI is set)
-      summary.json                     what the last pipeline run produced
+WORKDIR/
+  downloads/                       archives fetched from http(s) sources (.part while in flight)
+  data/cifar10-<key>/              TFRecord shards, manifest.json, statistics parquet (data stage)
+  runs/<run_name>/                 one training run: checkpoints/, history, plots, state.json
+  runs/<run_name>/evaluation/      metrics.json, predictions.parquet, plots (evaluate stage)
+  export/<model_name>/<version>/   TF-Serving SavedModel versions (export stage); assets.extra/export.json
+                                   holds the version's key and result
+  mlflow.db, mlartifacts/          the embedded MLflow store (unless MLFLOW_TRACKING_URI is set)
+  summary.json                     what the last pipeline run produced
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ def find_export(root: Path, key: str) -> ExportResult | None:
         with contextlib.suppress(OSError, ValueError):
             metadata = json.loads(metadata_path.read_text(encoding="utf-8"))
             if metadata.get("key") == key:
-                return ExportResult.model_validate({**metadata["result"], "export_dir": str(root / str(version)),
-                                                    "version": version, "reused": True})
+                return ExportResult.model_validate(
+                    {**metadata["result"], "export_dir": str(root / str(version)), "version": version, "reused": True}
+                )
     return None
 
 

@@ -18,8 +18,9 @@ import inspect
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `python flows/pipeline.py` from a checkout without the editable install.
@@ -29,8 +30,8 @@ from prefect import flow  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
 from cifar.config import PRESETS, STAGES, PipelineConfig, Stage, make_config, resolve_workdir  # noqa: E402
-from tasks.artifacts import mlflow_run_url, publish_report, write_summary  # noqa: E402
 from tasks import faults  # noqa: E402
+from tasks.artifacts import mlflow_run_url, publish_report, write_summary  # noqa: E402
 from tasks.caching import result_storage  # noqa: E402
 from tasks.data import download_archive, prepare_dataset  # noqa: E402
 from tasks.evaluation import evaluate_model, export_model, register_model  # noqa: E402
@@ -60,8 +61,9 @@ class Stages:
             state = configured(*args, **keywords, return_state=True)
             result = state.result()  # Raises the task's real error when it failed.
             # "Reused": the task ran, and the library found the stage's finished output under its key.
-            self.states[task.name] = "Reused" if state.name == "Completed" and getattr(result, "reused", False) \
-                else state.name
+            self.states[task.name] = (
+                "Reused" if state.name == "Completed" and getattr(result, "reused", False) else state.name
+            )
             return result
 
         return run
@@ -114,13 +116,23 @@ def cifar_pipeline(
     config = with_preset(config)
     workdir = str(resolve_workdir(workdir))
     stages = Stages(workdir, refresh=refresh, fresh=not config.train.resume)
-    summary: dict[str, Any] = {"preset": config.preset, "until": until, "workdir": workdir,
-                               "config": config.model_dump(mode="json"), "keys": {}}
+    summary: dict[str, Any] = {
+        "preset": config.preset,
+        "until": until,
+        "workdir": workdir,
+        "config": config.model_dump(mode="json"),
+        "keys": {},
+    }
 
     archive = stages.download(config, workdir)
     dataset = stages.prepare(config, archive, workdir)
-    summary |= {"source": archive.source, "source_sha256": archive.sha256, "data_dir": dataset.data_dir,
-                "manifest": dataset.manifest_path, "counts": dataset.counts}
+    summary |= {
+        "source": archive.source,
+        "source_sha256": archive.sha256,
+        "data_dir": dataset.data_dir,
+        "manifest": dataset.manifest_path,
+        "counts": dataset.counts,
+    }
     summary["keys"]["data"] = dataset.key
 
     if reaches(until, "train"):
@@ -131,15 +143,26 @@ def cifar_pipeline(
 
     if reaches(until, "evaluate"):
         evaluation = stages.evaluate(config, dataset, training, workdir)
-        summary |= evaluation.model_dump(include={"test_accuracy", "test_loss", "flip_tta_accuracy", "tta_accuracy",
-                                                  "metrics_path", "predictions_path"})
+        summary |= evaluation.model_dump(
+            include={
+                "test_accuracy",
+                "test_loss",
+                "flip_tta_accuracy",
+                "tta_accuracy",
+                "metrics_path",
+                "predictions_path",
+            }
+        )
         summary |= {"evaluated_epoch": evaluation.epoch}
         summary["keys"]["evaluate"] = evaluation.key
 
     if reaches(until, "export"):
         export = stages.export(config, dataset, training, evaluation, workdir)
-        summary |= {"export_dir": export.export_dir, "export_version": export.version,
-                    "verified_accuracy": export.verified_accuracy}
+        summary |= {
+            "export_dir": export.export_dir,
+            "export_version": export.version,
+            "verified_accuracy": export.verified_accuracy,
+        }
         summary["keys"]["export"] = export.key
         if config.export.register_model:
             promotion = stages.register(config, training, evaluation, export)
@@ -217,24 +240,40 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python flows/pipeline.py",
         description="CIFAR-10 from the raw archive to a served model (Prefect flow `cifar`).",
         epilog="Example: python flows/pipeline.py --source cifar-10-python.tar.gz --preset smoke "
-               "--set train.epochs=3 --until evaluate",
+        "--set train.epochs=3 --until evaluate",
     )
-    parser.add_argument("--source", help="http(s)/file:// URL or local path of the CIFAR-10 archive "
-                                         "(default: the official python archive)")
+    parser.add_argument(
+        "--source",
+        help="http(s)/file:// URL or local path of the CIFAR-10 archive (default: the official python archive)",
+    )
     parser.add_argument("--sha256", help="expected SHA-256 of the archive (hex)")
     parser.add_argument("--md5", help="expected MD5 of the archive (hex); official URLs default to the published one")
     parser.add_argument("--workdir", default="./workdir", help="where data, runs, exports and summary.json go")
     parser.add_argument("--preset", default="default", choices=sorted(PRESETS), help="named set of settings")
-    parser.add_argument("--until", default="export", choices=STAGES,
-                        help="last stage to run (export includes registering and promotion)")
+    parser.add_argument(
+        "--until",
+        default="export",
+        choices=STAGES,
+        help="last stage to run (export includes registering and promotion)",
+    )
     parser.add_argument("--refresh", action="store_true", help="recompute every stage instead of using cached results")
     resume = parser.add_mutually_exclusive_group()
-    resume.add_argument("--resume", action="store_true",
-                        help="continue the same training run from its last completed epoch (the default)")
-    resume.add_argument("--fresh", action="store_true",
-                        help="discard that run's checkpoints and train from scratch (train.resume=false)")
-    parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE",
-                        help="override one config field, e.g. --set train.epochs=3 (repeatable; values parse as JSON)")
+    resume.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the same training run from its last completed epoch (the default)",
+    )
+    resume.add_argument(
+        "--fresh",
+        action="store_true",
+        help="discard that run's checkpoints and train from scratch (train.resume=false)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="SECTION.FIELD=VALUE",
+        help="override one config field, e.g. --set train.epochs=3 (repeatable; values parse as JSON)",
+    )
     return parser
 
 
@@ -250,23 +289,34 @@ def format_summary(summary: dict[str, Any]) -> str:
         return "-" if value is None else f"{100 * value:.2f} %"
 
     counts = summary.get("counts", {})
-    lines = [f"cifar pipeline done (preset {summary['preset']}, until {summary['until']})",
-             f"  data       {summary['data_dir']}  train/validation/test "
-             f"{counts.get('train')}/{counts.get('validation')}/{counts.get('test')}{state('download', 'prepare')}"]
+    lines = [
+        f"cifar pipeline done (preset {summary['preset']}, until {summary['until']})",
+        f"  data       {summary['data_dir']}  train/validation/test "
+        f"{counts.get('train')}/{counts.get('validation')}/{counts.get('test')}{state('download', 'prepare')}",
+    ]
     if "run_name" in summary:
-        lines.append(f"  training   {summary['run_name']}: {summary['epochs_completed']} epochs, best epoch "
-                     f"{summary['best_epoch']}, validation accuracy {percent(summary['val_accuracy'])}{state('train')}")
+        lines.append(
+            f"  training   {summary['run_name']}: {summary['epochs_completed']} epochs, best epoch "
+            f"{summary['best_epoch']}, validation accuracy {percent(summary['val_accuracy'])}{state('train')}"
+        )
     if "test_accuracy" in summary:
-        tta = [f"{name} {percent(summary[key])}" for key, name in
-               (("flip_tta_accuracy", "flip TTA"), ("tta_accuracy", "flip+translate TTA")) if summary.get(key) is not None]
-        lines.append(f"  test       accuracy {percent(summary['test_accuracy'])}, loss {summary['test_loss']:.4f}"
-                     f"{''.join(', ' + item for item in tta)}{state('evaluate')}")
+        tta = [
+            f"{name} {percent(summary[key])}"
+            for key, name in (("flip_tta_accuracy", "flip TTA"), ("tta_accuracy", "flip+translate TTA"))
+            if summary.get(key) is not None
+        ]
+        lines.append(
+            f"  test       accuracy {percent(summary['test_accuracy'])}, loss {summary['test_loss']:.4f}"
+            f"{''.join(', ' + item for item in tta)}{state('evaluate')}"
+        )
     if "export_dir" in summary:
         lines.append(f"  export     {summary['export_dir']}{state('export')}")
     if "registered_model_version" in summary:
         verdict = "champion" if summary.get("champion") else "not promoted"
-        lines.append(f"  registry   version {summary['registered_model_version']}, {verdict}: "
-                     f"{summary.get('promotion_reason')}{state('register')}")
+        lines.append(
+            f"  registry   version {summary['registered_model_version']}, {verdict}: "
+            f"{summary.get('promotion_reason')}{state('register')}"
+        )
     if summary.get("mlflow_run_url"):
         lines.append(f"  mlflow     {summary['mlflow_run_url']}")
     lines.append(f"  summary    {summary['summary_path']}")

@@ -10,7 +10,7 @@ atomically; the register stage moves the `champion` alias only when the new mode
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from flows.pipeline import cifar_pipeline, with_preset  # noqa: E402
 
 def retrain_run_name(flow_run_id: str | None, now: datetime | None = None) -> str:
     """A training directory name no other run uses: the UTC start time plus the flow run id."""
-    now = now or datetime.now(timezone.utc)
+    now = now or datetime.now(UTC)
     suffix = (flow_run_id or "local").replace("-", "")[:8]
     return f"retrain-{now:%Y%m%d-%H%M%S}-{suffix}"
 
@@ -39,8 +39,10 @@ def retrain(config: PipelineConfig = PipelineConfig(preset="full"), workdir: str
     run_name = retrain_run_name(flow_run.get_id())
     config = config.model_copy(update={"train": config.train.model_copy(update={"run_name": run_name})})
     summary = cifar_pipeline(config=config, workdir=workdir, until="export")
-    print(f"Retrained {run_name}: test accuracy {summary['test_accuracy']:.4f}, "
-          f"champion={summary.get('champion')} ({summary.get('promotion_reason')})")
+    print(
+        f"Retrained {run_name}: test accuracy {summary['test_accuracy']:.4f}, "
+        f"champion={summary.get('champion')} ({summary.get('promotion_reason')})"
+    )
     return summary
 
 

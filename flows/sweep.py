@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +48,25 @@ def sweep(
     config = with_preset(config)
     points = [grid_point(config, model, rate) for model, rate in itertools.product(models, learning_rates)]
     tracking_uri = resolve_tracking_uri(config.tracking, workdir)
-    parent_run_id = open_sweep_run(config, workdir, f"sweep-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}",
-                                   {"model": models, "learning_rate": learning_rates})
+    parent_run_id = open_sweep_run(
+        config, workdir, f"sweep-{datetime.now(UTC):%Y%m%d-%H%M%S}", {"model": models, "learning_rate": learning_rates}
+    )
 
     rows = []
     for point in points:
         name = f"{point.train.model}-lr{point.train.learning_rate:g}"
         summary = cifar_pipeline.with_options(flow_run_name=name)(config=point, workdir=workdir, until=until)
         attach_child_run(tracking_uri, parent_run_id, summary["mlflow_run_id"])
-        rows.append({"model": point.train.model, "learning_rate": point.train.learning_rate,
-                     "val_accuracy": summary.get("val_accuracy"), "test_accuracy": summary.get("test_accuracy"),
-                     "mlflow_run_id": summary["mlflow_run_id"], "run_name": summary["run_name"]})
+        rows.append(
+            {
+                "model": point.train.model,
+                "learning_rate": point.train.learning_rate,
+                "val_accuracy": summary.get("val_accuracy"),
+                "test_accuracy": summary.get("test_accuracy"),
+                "mlflow_run_id": summary["mlflow_run_id"],
+                "run_name": summary["run_name"],
+            }
+        )
 
     metric = "val_accuracy" if any(row["val_accuracy"] is not None for row in rows) else "test_accuracy"
     best = close_sweep_run(tracking_uri, parent_run_id, rows, metric)

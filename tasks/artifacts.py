@@ -40,7 +40,9 @@ class ProgressReporter:
         self.last_percent, self.last_time = percent, now
         try:
             if self.artifact_id is None:
-                self.artifact_id = create_progress_artifact(percent, key=self.key, description=description or self.description)
+                self.artifact_id = create_progress_artifact(
+                    percent, key=self.key, description=description or self.description
+                )
             else:
                 update_progress_artifact(self.artifact_id, percent, description=description)
         except Exception as error:  # No API (a bare `.fn()` call in a test), or a transient API error.
@@ -58,8 +60,11 @@ class ProgressReporter:
     def epoch(self, report: dict[str, Any]) -> None:
         """Training callback: `{"epoch", "epochs", **metrics}` after each epoch."""
         epoch, epochs = int(report["epoch"]), int(report["epochs"])
-        shown = ", ".join(f"{name} {value:.4f}" for name, value in sorted(report.items())
-                          if name not in {"epoch", "epochs"} and isinstance(value, float))
+        shown = ", ".join(
+            f"{name} {value:.4f}"
+            for name, value in sorted(report.items())
+            if name not in {"epoch", "epochs"} and isinstance(value, float)
+        )
         self.update(100.0 * epoch / max(epochs, 1), f"{self.description}: epoch {epoch}/{epochs} ({shown})", force=True)
 
     def finish(self) -> None:
@@ -88,8 +93,10 @@ def report_markdown(summary: dict[str, Any]) -> str:
     lines = [f"# CIFAR-10 pipeline: {summary.get('preset', '')} preset, until `{summary.get('until')}`", ""]
     rows = [
         ("Data", summary.get("data_dir")),
-        ("Examples (train/validation/test)", "/".join(str(summary.get("counts", {}).get(split, "-"))
-                                                      for split in ("train", "validation", "test"))),
+        (
+            "Examples (train/validation/test)",
+            "/".join(str(summary.get("counts", {}).get(split, "-")) for split in ("train", "validation", "test")),
+        ),
         ("Training run", summary.get("run_name")),
         ("Epochs completed", summary.get("epochs_completed")),
         ("Validation accuracy (best epoch)", _percent(summary.get("val_accuracy"))),
@@ -106,11 +113,18 @@ def report_markdown(summary: dict[str, Any]) -> str:
     lines += [f"| {name} | {value} |" for name, value in rows if value is not None]
     per_class = _per_class(summary.get("metrics_path"))
     if per_class:
-        lines += ["", "## Per class (test split)", "", "| class | accuracy | precision | support |",
-                  "|---|---|---|---|"]
+        lines += [
+            "",
+            "## Per class (test split)",
+            "",
+            "| class | accuracy | precision | support |",
+            "|---|---|---|---|",
+        ]
         for name, values in per_class.items():
-            lines.append(f"| {name} | {_percent(values.get('accuracy'))} | {_percent(values.get('precision'))} | "
-                         f"{values.get('support', '')} |")
+            lines.append(
+                f"| {name} | {_percent(values.get('accuracy'))} | {_percent(values.get('precision'))} | "
+                f"{values.get('support', '')} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from prefect import task
 from prefect.cache_policies import CachePolicy
@@ -60,8 +61,13 @@ class StageCachePolicy(CachePolicy):
 
 def stage_task(name: str, *, key_fn: Callable[..., str], is_valid: Callable[[Any], bool], **options: Any):
     """Prefect's `task` decorator for a pipeline stage: cached by `StageCachePolicy`, results persisted as JSON."""
-    return task(name=name, cache_policy=StageCachePolicy(key_fn=key_fn, is_valid=is_valid), persist_result=True,
-                result_serializer="json", **options)
+    return task(
+        name=name,
+        cache_policy=StageCachePolicy(key_fn=key_fn, is_valid=is_valid),
+        persist_result=True,
+        result_serializer="json",
+        **options,
+    )
 
 
 def expire_if_invalid(store, key: str, is_valid: Callable[[Any], bool]) -> bool:
@@ -77,6 +83,6 @@ def expire_if_invalid(store, key: str, is_valid: Callable[[Any], bool]) -> bool:
     if valid:
         return False
     logger.warning("Cached result %s no longer matches its files: recomputing", key)
-    expired = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=1)
+    expired = datetime.datetime.now(datetime.UTC) - datetime.timedelta(seconds=1)
     store.write(obj=result, key=key, expiration=expired)
     return True

@@ -24,14 +24,23 @@ def download_archive(config: PipelineConfig, workdir: str) -> ArchiveInfo:
     """Downloads the archive (or finds a local one) and verifies its checksum."""
     data = config.data
     progress = ProgressReporter("download", f"Download of {data.source}")
-    archive = fetch_archive(data.source, downloads_dir(Path(workdir)), sha256=data.sha256, md5=data.expected_md5(),
-                            retries=data.download_retries, progress=progress.bytes)
+    archive = fetch_archive(
+        data.source,
+        downloads_dir(Path(workdir)),
+        sha256=data.sha256,
+        md5=data.expected_md5(),
+        retries=data.download_retries,
+        progress=progress.bytes,
+    )
     progress.finish()
     return archive
 
 
-@stage_task("prepare", key_fn=lambda config, archive, **_: data_key(config.data, archive.sha256),
-            is_valid=lambda result: reusable_manifest(result.data_dir, result.key) is not None)
+@stage_task(
+    "prepare",
+    key_fn=lambda config, archive, **_: data_key(config.data, archive.sha256),
+    is_valid=lambda result: reusable_manifest(result.data_dir, result.key) is not None,
+)
 def prepare_dataset(config: PipelineConfig, archive: ArchiveInfo, workdir: str, refresh: bool = False) -> DataResult:
     """Converts the verified archive into TFRecord shards, a manifest and statistics."""
     progress = ProgressReporter("prepare", f"Conversion of {Path(archive.path).name} into TFRecord shards")

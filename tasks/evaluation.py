@@ -15,17 +15,26 @@ from tasks.caching import stage_task
 
 @stage_task(
     "evaluate",
-    key_fn=lambda config, dataset, training, **_: evaluation_key(config, dataset.key,
-                                                                 index_digest(training.checkpoint_dir)),
+    key_fn=lambda config, dataset, training, **_: evaluation_key(
+        config, dataset.key, index_digest(training.checkpoint_dir)
+    ),
     is_valid=lambda result: find_evaluation(Path(result.metrics_path).parent, result.key) is not None,
 )
-def evaluate_model(config: PipelineConfig, dataset: DataResult, training: TrainResult, workdir: str,
-                   refresh: bool = False) -> EvaluationResult:
+def evaluate_model(
+    config: PipelineConfig, dataset: DataResult, training: TrainResult, workdir: str, refresh: bool = False
+) -> EvaluationResult:
     """Evaluates the best checkpoint (by validation accuracy) on the test split."""
     from cifar.evaluate import evaluate
 
-    return evaluate(config, dataset.data_dir, training.checkpoint_dir, workdir, refresh=refresh,
-                    mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri)
+    return evaluate(
+        config,
+        dataset.data_dir,
+        training.checkpoint_dir,
+        workdir,
+        refresh=refresh,
+        mlflow_run_id=training.mlflow_run_id,
+        tracking_uri=training.tracking_uri,
+    )
 
 
 @stage_task(
@@ -33,13 +42,27 @@ def evaluate_model(config: PipelineConfig, dataset: DataResult, training: TrainR
     key_fn=lambda config, evaluation, **_: export_key(config, evaluation.key),
     is_valid=lambda result: find_export(Path(result.export_dir).parent, result.key) is not None,
 )
-def export_model(config: PipelineConfig, dataset: DataResult, training: TrainResult, evaluation: EvaluationResult,
-                 workdir: str, refresh: bool = False) -> ExportResult:
+def export_model(
+    config: PipelineConfig,
+    dataset: DataResult,
+    training: TrainResult,
+    evaluation: EvaluationResult,
+    workdir: str,
+    refresh: bool = False,
+) -> ExportResult:
     """Exports the evaluated checkpoint as a verified SavedModel version (an earlier one of the same key is kept)."""
     from cifar.export import export_model as export_saved_model
 
-    return export_saved_model(config, dataset.data_dir, training.checkpoint_dir, workdir, evaluation, refresh=refresh,
-                              mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri)
+    return export_saved_model(
+        config,
+        dataset.data_dir,
+        training.checkpoint_dir,
+        workdir,
+        evaluation,
+        refresh=refresh,
+        mlflow_run_id=training.mlflow_run_id,
+        tracking_uri=training.tracking_uri,
+    )
 
 
 # No task retries: registration is idempotent per export, and the MLflow client retries its HTTP requests.
@@ -48,10 +71,16 @@ def export_model(config: PipelineConfig, dataset: DataResult, training: TrainRes
     key_fn=lambda config, training, export, **_: registration_key(config, export.key, training.tracking_uri),
     is_valid=lambda result: True,  # A registered version and its recorded decision stay in the registry.
 )
-def register_model(config: PipelineConfig, training: TrainResult, evaluation: EvaluationResult,
-                   export: ExportResult) -> PromotionResult:
+def register_model(
+    config: PipelineConfig, training: TrainResult, evaluation: EvaluationResult, export: ExportResult
+) -> PromotionResult:
     """Registers the export in MLflow and moves the champion alias only if it passes the gate."""
     from cifar.registry import register_and_promote
 
-    return register_and_promote(config, export, evaluation.test_accuracy, mlflow_run_id=training.mlflow_run_id,
-                                tracking_uri=training.tracking_uri)
+    return register_and_promote(
+        config,
+        export,
+        evaluation.test_accuracy,
+        mlflow_run_id=training.mlflow_run_id,
+        tracking_uri=training.tracking_uri,
+    )

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 FAULT_AFTER_EPOCH_ENV = "CIFAR_FAULT_AFTER_EPOCH"
 KILL_BEFORE_ENV = "CIFAR_FAULT_KILL_BEFORE"

@@ -6,9 +6,10 @@ from cifar.checkpoints import RunDirectory
 from cifar.config import PipelineConfig
 from cifar.results import DataResult, TrainResult
 from cifar.reuse import training_key
-from tasks.artifacts import ProgressReporter
 from tasks import faults
+from tasks.artifacts import ProgressReporter
 from tasks.caching import stage_task
+
 
 @stage_task(
     "train",

@@ -205,4 +205,3 @@ def _handler_class(server: FaultyHTTPServer) -> type[BaseHTTPRequestHandler]:
             """Quiet: tests read `server.requests` instead."""
 
     return Handler
-

@@ -23,9 +23,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent  # The venv's bin: prefect, mlflow.
@@ -114,7 +114,7 @@ class ServerHandle(ProcessHandle):
             raise ValueError("client_env is for Prefect servers")
         return prefect_env(self.home, self.api_url, **extra)
 
-    def __enter__(self) -> "ServerHandle":
+    def __enter__(self) -> ServerHandle:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -126,8 +126,13 @@ def _spawn(command: Sequence[str], env: dict[str, str], log_path: Path, cwd: Pat
     log = open(log_path, "ab")  # The child keeps its own descriptor; ours closes with the Popen.
     try:
         return subprocess.Popen(
-            list(command), env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            list(command),
+            env=env,
+            cwd=cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
     finally:
         log.close()
@@ -154,8 +159,13 @@ def wait_for_http(url: str, handle: ProcessHandle, timeout: float, expect: str |
 
 
 def start_prefect_server(
-    home: Path, database_url: str | None = None, *, port: int | None = None, timeout: float = 180.0,
-    launcher: Sequence[str] | None = None, **settings: str,
+    home: Path,
+    database_url: str | None = None,
+    *,
+    port: int | None = None,
+    timeout: float = 180.0,
+    launcher: Sequence[str] | None = None,
+    **settings: str,
 ) -> ServerHandle:
     """`prefect server start` on 127.0.0.1:<free port> with PREFECT_HOME=`home`; returns once healthy.
 
@@ -179,8 +189,13 @@ def start_prefect_server(
 
 
 def start_worker(
-    server: ServerHandle, pool: str, *, cwd: Path = REPO_ROOT, name: str | None = None,
-    extra_env: dict[str, str] | None = None, timeout: float = 60.0,
+    server: ServerHandle,
+    pool: str,
+    *,
+    cwd: Path = REPO_ROOT,
+    name: str | None = None,
+    extra_env: dict[str, str] | None = None,
+    timeout: float = 60.0,
 ) -> ProcessHandle:
     """`prefect worker start --pool POOL` against `server`; returns once the worker has polled the pool."""
     env = server.client_env(**(extra_env or {}))
@@ -208,9 +223,18 @@ def start_mlflow_server(root: Path, *, port: int | None = None, timeout: float =
     env = {key: value for key, value in os.environ.items() if not key.startswith("MLFLOW_")}
     env["PYTHONUNBUFFERED"] = "1"
     command = [
-        str(BIN_DIR / "mlflow"), "server", "--host", HOST, "--port", str(port), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-        "--artifacts-destination", str(root / "artifacts"),
+        str(BIN_DIR / "mlflow"),
+        "server",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(root / "artifacts"),
     ]
     log_path = root / "mlflow-server.log"
     handle = ServerHandle(_spawn(command, env, log_path), log_path, env, url=url, api_url=url)
@@ -219,7 +243,7 @@ def start_mlflow_server(root: Path, *, port: int | None = None, timeout: float =
 
 
 def run_cli(
-    args: Sequence[str], env: dict[str, str], *, cwd: Path = REPO_ROOT, timeout: float = 300.0, check: bool = True,
+    args: Sequence[str], env: dict[str, str], *, cwd: Path = REPO_ROOT, timeout: float = 300.0, check: bool = True
 ) -> subprocess.CompletedProcess:
     """Runs a CLI (`prefect ...`, `python ...`) to completion; raises with its output on failure."""
     args = list(args)

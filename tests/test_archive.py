@@ -27,6 +27,7 @@ from cifar.data.archive import (
 )
 from cifar.data.synthetic import CLASS_NAMES, source_arrays
 from cifar.data.validate import InvalidDatasetError
+
 TRAIN_PER_BATCH = 100  # The conftest fixtures: 5 batches of 100 training images, 200 test images.
 TEST_EXAMPLES = 200
 PY_DIR = "cifar-10-batches-py"
@@ -142,8 +143,11 @@ def test_malicious_members_are_rejected_and_nothing_is_written(python_archive, t
     member = make_member()
     # The hostile member comes first, after one harmless file, inside an otherwise valid layout.
     members = [_file_member(f"{PY_DIR}/readme.html", b"hi"), member]
-    members += [_file_member(name, data) for name, data in _fixture_members(python_archive).items()
-                if not name.endswith("readme.html")]
+    members += [
+        _file_member(name, data)
+        for name, data in _fixture_members(python_archive).items()
+        if not name.endswith("readme.html")
+    ]
     archive_path = _write_archive(tmp_path / "evil.tar.gz", members)
     with pytest.raises(UnsafeArchiveError, match=message) as error:
         safe_extract(archive_path, tmp_path / "out")
@@ -252,8 +256,9 @@ def test_the_unpickler_reads_numpy_1_and_python_2_style_pickles():
     ids=["wrong row size", "wrong dtype", "label count", "label too large", "negative label", "not an array"],
 )
 def test_malformed_python_batches_are_rejected_naming_the_batch(python_archive, tmp_path, data, labels, message):
-    archive_path = _replaced(python_archive, tmp_path / "bad.tar.gz",
-                             {f"{PY_DIR}/data_batch_2": _python_batch(data, labels)})
+    archive_path = _replaced(
+        python_archive, tmp_path / "bad.tar.gz", {f"{PY_DIR}/data_batch_2": _python_batch(data, labels)}
+    )
     with pytest.raises(InvalidDatasetError, match=f"data_batch_2: .*{message}"):
         read_archive(archive_path)
 

@@ -6,12 +6,18 @@ import subprocess
 import sys
 
 import pytest
+from servers import REPO_ROOT
 
 from cifar.config import OFFICIAL_PYTHON_URL, make_config
 from flows.pipeline import (
-    ConfigError, build_parser, config_from_args, explicit_fields, parse_overrides, parse_value, with_preset,
+    ConfigError,
+    build_parser,
+    config_from_args,
+    explicit_fields,
+    parse_overrides,
+    parse_value,
+    with_preset,
 )
-from servers import REPO_ROOT
 
 SHA256 = "ab" * 32
 
@@ -22,8 +28,13 @@ def config_of(*argv: str):
 
 def test_defaults_are_the_default_preset_on_the_official_archive():
     args = build_parser().parse_args([])
-    assert (args.workdir, args.preset, args.until, args.refresh, args.fresh) == ("./workdir", "default", "export",
-                                                                                False, False)
+    assert (args.workdir, args.preset, args.until, args.refresh, args.fresh) == (
+        "./workdir",
+        "default",
+        "export",
+        False,
+        False,
+    )
     assert config_of() == make_config("default")
     assert config_of().data.source == OFFICIAL_PYTHON_URL
 
@@ -37,9 +48,24 @@ def test_source_digests_preset_and_fresh_land_in_the_config():
 
 
 def test_set_overrides_parse_json_values_into_nested_sections():
-    config = config_of("--preset", "smoke", "--set", "train.epochs=3", "--set", "train.learning_rate=0.2",
-                       "--set", "train.gpus=[0,1]", "--set", "evaluate.flip_tta=true", "--set", "seed=7",
-                       "--set", "train.ema_decay=null", "--set", "train.model=resnet32")
+    config = config_of(
+        "--preset",
+        "smoke",
+        "--set",
+        "train.epochs=3",
+        "--set",
+        "train.learning_rate=0.2",
+        "--set",
+        "train.gpus=[0,1]",
+        "--set",
+        "evaluate.flip_tta=true",
+        "--set",
+        "seed=7",
+        "--set",
+        "train.ema_decay=null",
+        "--set",
+        "train.model=resnet32",
+    )
     assert (config.train.epochs, config.train.learning_rate, config.train.gpus) == (3, 0.2, [0, 1])
     assert config.evaluate.flip_tta is True and config.seed == 7 and config.train.ema_decay is None
     assert config.train.model == "resnet32"
@@ -48,18 +74,31 @@ def test_set_overrides_parse_json_values_into_nested_sections():
 
 def test_parse_overrides_and_values():
     assert parse_overrides(["train.epochs=3", "data.source=a=b.tar", "seed=1"]) == {
-        "train": {"epochs": 3}, "data": {"source": "a=b.tar"}, "seed": 1}
+        "train": {"epochs": 3},
+        "data": {"source": "a=b.tar"},
+        "seed": 1,
+    }
     assert [parse_value(text) for text in ("1", "1.5", "false", "null", "[1]", "tiny", "")] == [
-        1, 1.5, False, None, [1], "tiny", ""]
+        1,
+        1.5,
+        False,
+        None,
+        [1],
+        "tiny",
+        "",
+    ]
 
 
-@pytest.mark.parametrize("assignment, field", [
-    ("train.epochs=0", "train.epochs"),
-    ("train.model=resnet21", "train.model"),
-    ("train.bogus=1", "train.bogus"),
-    ("data.sha256=xyz", "data.sha256"),
-    ("evaluate.checkpoints=some", "evaluate.checkpoints"),
-])
+@pytest.mark.parametrize(
+    "assignment, field",
+    [
+        ("train.epochs=0", "train.epochs"),
+        ("train.model=resnet21", "train.model"),
+        ("train.bogus=1", "train.bogus"),
+        ("data.sha256=xyz", "data.sha256"),
+        ("evaluate.checkpoints=some", "evaluate.checkpoints"),
+    ],
+)
 def test_bad_values_name_the_field(assignment, field):
     with pytest.raises(ConfigError, match=rf"invalid configuration: {field}:"):
         config_of("--set", assignment)
@@ -75,7 +114,10 @@ def test_bad_config_exits_2_with_the_field_before_any_work(tmp_path):
     workdir = tmp_path / "workdir"
     result = subprocess.run(
         [sys.executable, "flows/pipeline.py", "--workdir", str(workdir), "--set", "train.epochs=-1"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert "train.epochs" in result.stderr and "greater than or equal to 1" in result.stderr

@@ -30,8 +30,14 @@ FEATURES = {"image": tf.io.FixedLenFeature([], tf.string), "label": tf.io.FixedL
 
 
 def _config(**overrides) -> DataConfig:
-    values = dict(source="unused", expect_official_counts=False, validation_size=100,
-                  train_shards=3, validation_shards=2, test_shards=2)
+    values = dict(
+        source="unused",
+        expect_official_counts=False,
+        validation_size=100,
+        train_shards=3,
+        validation_shards=2,
+        test_shards=2,
+    )
     return DataConfig(**{**values, **overrides})
 
 
@@ -57,10 +63,14 @@ def test_encoded_examples_are_byte_identical_to_tensorflow_protos():
     records = encode_examples(images, labels)
     assert records.shape == (5, RECORD_BYTES) and records.dtype == np.uint8
     for image, label, record in zip(images, labels, records):
-        example = tf.train.Example(features=tf.train.Features(feature={
-            "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[image.tobytes()])),
-            "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(label)])),
-        }))
+        example = tf.train.Example(
+            features=tf.train.Features(
+                feature={
+                    "image": tf.train.Feature(bytes_list=tf.train.BytesList(value=[image.tobytes()])),
+                    "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[int(label)])),
+                }
+            )
+        )
         assert record.tobytes() == example.SerializeToString(deterministic=True)
 
 
@@ -106,27 +116,35 @@ def test_splits_counts_and_shards(dataset, tmp_path):
     expected = source_arrays(train_per_batch=TRAIN_PER_BATCH, test_examples=TEST_EXAMPLES)
     train_labels, test_labels = expected["train"][1], expected["test"][1]
     assert {split: entry.num_examples for split, entry in splits.items()} == {
-        "train": 400, "validation": 100, "test": 200}
+        "train": 400,
+        "validation": 100,
+        "test": 200,
+    }
     assert splits["train"].class_counts == np.bincount(train_labels[:400], minlength=10).tolist()
     assert splits["validation"].class_counts == np.bincount(train_labels[400:], minlength=10).tolist()
     assert splits["test"].class_counts == np.bincount(test_labels, minlength=10).tolist()
     assert [shard.path for shard in splits["train"].shards] == [
-        "train-00000-of-00003.tfrecord", "train-00001-of-00003.tfrecord", "train-00002-of-00003.tfrecord"]
+        "train-00000-of-00003.tfrecord",
+        "train-00001-of-00003.tfrecord",
+        "train-00002-of-00003.tfrecord",
+    ]
     assert [shard.num_examples for shard in splits["train"].shards] == [133, 133, 134]
     assert len(splits["validation"].shards) == 2 and len(splits["test"].shards) == 2
     for entry in splits.values():
         for shard in entry.shards:
             assert (tmp_path / shard.path).stat().st_size == shard.num_bytes == shard.num_examples * FRAMED_RECORD_BYTES
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
-        shard.path for entry in splits.values() for shard in entry.shards)
+        shard.path for entry in splits.values() for shard in entry.shards
+    )
 
 
 def test_records_round_trip_to_the_source_pixels_and_labels(dataset, tmp_path):
     splits = convert_dataset(dataset, _config(), tmp_path)
     expected = source_arrays(train_per_batch=TRAIN_PER_BATCH, test_examples=TEST_EXAMPLES)
     train_images, train_labels = expected["train"]
-    parsed = {split: _read_records([str(tmp_path / shard.path) for shard in entry.shards])
-              for split, entry in splits.items()}
+    parsed = {
+        split: _read_records([str(tmp_path / shard.path) for shard in entry.shards]) for split, entry in splits.items()
+    }
     np.testing.assert_array_equal(parsed["train"][0], train_images[:400])
     np.testing.assert_array_equal(parsed["train"][1], train_labels[:400])
     np.testing.assert_array_equal(parsed["validation"][0], train_images[400:])
@@ -145,7 +163,8 @@ def test_a_zero_validation_size_gives_an_empty_split_without_shards(dataset, tmp
 def test_a_tiny_split_gets_one_shard_per_example(dataset, tmp_path):
     splits = convert_dataset(dataset, _config(validation_size=3, validation_shards=8), tmp_path)
     assert [shard.path for shard in splits["validation"].shards] == [
-        f"validation-0000{index}-of-00003.tfrecord" for index in range(3)]
+        f"validation-0000{index}-of-00003.tfrecord" for index in range(3)
+    ]
 
 
 def test_conversion_is_byte_identical_across_runs(dataset, tmp_path):

@@ -31,8 +31,9 @@ def data_dir(python_archive, tmp_path_factory) -> str:
 
 
 def cluster(ports: list[int], index: int, task_type: str = "worker") -> str:
-    return json.dumps({"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
-                       "task": {"type": task_type, "index": index}})
+    return json.dumps(
+        {"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]}, "task": {"type": task_type, "index": index}}
+    )
 
 
 def free_ports(count: int) -> list[int]:
@@ -55,7 +56,7 @@ def worker_environment(**extra: str) -> dict[str, str]:
 def parse_result(output: str) -> dict:
     lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     assert lines, output[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_gpu_requests_beyond_this_machine_are_clear_errors():
@@ -104,9 +105,20 @@ def test_mirrored_strategy_over_two_cpu_devices_keeps_global_batch_semantics(dat
     # Logical devices must be configured before TensorFlow starts: fresh processes, run side by side.
     processes = {
         devices: subprocess.Popen(
-            [sys.executable, str(WORKER), data_dir, str(tmp_path / f"work-{devices}"), CONFIG_JSON,
-             "--logical-cpus", str(devices)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_environment(), cwd=REPOSITORY,
+            [
+                sys.executable,
+                str(WORKER),
+                data_dir,
+                str(tmp_path / f"work-{devices}"),
+                CONFIG_JSON,
+                "--logical-cpus",
+                str(devices),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=worker_environment(),
+            cwd=REPOSITORY,
         )
         for devices in (1, 2)
     }
@@ -137,7 +149,10 @@ def test_two_workers_train_together_into_one_run_and_one_checkpoint_directory(da
     processes = [
         subprocess.Popen(
             [sys.executable, str(WORKER), data_dir, str(workdir), CONFIG_JSON],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPOSITORY,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPOSITORY,
             env=worker_environment(TF_CONFIG=cluster(ports, index)),
         )
         for index in range(2)

@@ -13,9 +13,10 @@ import importlib.metadata
 import json
 import re
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -26,14 +27,22 @@ COMPOSE_PATH = DOCKER_DIR / "compose.yaml"
 ENV_EXAMPLE_PATH = DOCKER_DIR / "env.example"
 
 # Variables the official postgres image reads (https://hub.docker.com/_/postgres, "Environment Variables").
-POSTGRES_IMAGE_VARIABLES = {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB", "POSTGRES_INITDB_ARGS",
-                            "POSTGRES_INITDB_WALDIR", "POSTGRES_HOST_AUTH_METHOD", "PGDATA"}
+POSTGRES_IMAGE_VARIABLES = {
+    "POSTGRES_USER",
+    "POSTGRES_PASSWORD",
+    "POSTGRES_DB",
+    "POSTGRES_INITDB_ARGS",
+    "POSTGRES_INITDB_WALDIR",
+    "POSTGRES_HOST_AUTH_METHOD",
+    "PGDATA",
+}
 INITDB_DIR = "/docker-entrypoint-initdb.d"
 
 _VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
 # --- Compose: loading and interpolation (shared with tests/test_postgres_stack.py) ---------------------
+
 
 def read_env_file(path: Path) -> dict[str, str]:
     """KEY=VALUE lines of a docker/.env-style file (comments and blank lines ignored)."""
@@ -143,6 +152,7 @@ def healthcheck_ports(service: dict[str, Any]) -> set[int]:
 
 # --- Dockerfiles --------------------------------------------------------------------------------------
 
+
 @dataclass
 class Stage:
     name: str | None
@@ -222,6 +232,7 @@ def exposed_ports(lineage: list[Stage]) -> set[int]:
 
 # --- .dockerignore ------------------------------------------------------------------------------------
 
+
 def dockerignore_patterns() -> list[tuple[bool, str]]:
     patterns = []
     for line in (REPO_ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines():
@@ -239,8 +250,10 @@ def _pattern_matches(pattern: str, path: str) -> bool:
     if pattern.startswith("**/"):
         tails = ["/".join(parts[index:end]) for index in range(len(parts)) for end in range(index + 1, len(parts) + 1)]
         return any(fnmatch.fnmatchcase(tail, pattern[3:]) for tail in tails)
-    return any(fnmatch.fnmatchcase(candidate, pattern) and candidate.count("/") == pattern.count("/")
-               for candidate in candidates)
+    return any(
+        fnmatch.fnmatchcase(candidate, pattern) and candidate.count("/") == pattern.count("/")
+        for candidate in candidates
+    )
 
 
 def ignored_by_docker(path: str) -> bool:
@@ -253,6 +266,7 @@ def ignored_by_docker(path: str) -> bool:
 
 
 # --- Things that read the names -----------------------------------------------------------------------
+
 
 def prefect_setting_names() -> set[str]:
     from prefect.settings import Settings
@@ -273,11 +287,16 @@ def console_scripts() -> set[str]:
 
 
 def repository_text(*patterns: str) -> str:
-    return "\n".join(path.read_text(encoding="utf-8", errors="replace")
-                     for pattern in patterns for path in sorted(REPO_ROOT.glob(pattern)) if path.is_file())
+    return "\n".join(
+        path.read_text(encoding="utf-8", errors="replace")
+        for pattern in patterns
+        for path in sorted(REPO_ROOT.glob(pattern))
+        if path.is_file()
+    )
 
 
 # --- Tests --------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
@@ -326,6 +345,7 @@ def test_compose_needs_a_password_and_documents_every_variable():
     git_ignored = (REPO_ROOT / ".gitignore").read_text(encoding="utf-8").split()
     assert "docker/.env" in git_ignored or ".env" in git_ignored
 
+
 # The all-interfaces bind address, spelt out so the repository-wide grep for it finds only real binds.
 ALL_INTERFACES = ".".join(["0"] * 4)
 
@@ -337,13 +357,17 @@ def test_published_ports_bind_to_loopback_only(compose):
             published += 1
             assert port.host_ip == "127.0.0.1", f"{name} publishes {port.target} on {port.host_ip or 'all interfaces'}"
     assert published >= 2  # Both UIs.
-    # The all-interfaces address is for in-container binds only: no code or config outside docker/ binds every interface.
+    # The all-interfaces address is for in-container binds only: nothing outside docker/ binds every interface.
     for folder in ("cifar", "tasks", "flows", "scripts", "bench"):
         for path in (REPO_ROOT / folder).rglob("*"):
             if path.suffix in {".py", ".sh", ".yaml", ".yml", ".toml"}:
-                assert ALL_INTERFACES not in path.read_text(encoding="utf-8", errors="replace"), f"{path} binds {ALL_INTERFACES}"
+                assert ALL_INTERFACES not in path.read_text(encoding="utf-8", errors="replace"), (
+                    f"{path} binds {ALL_INTERFACES}"
+                )
     for path in (REPO_ROOT / "prefect.yaml", REPO_ROOT / "Makefile"):
-        assert not path.exists() or ALL_INTERFACES not in path.read_text(encoding="utf-8"), f"{path} binds {ALL_INTERFACES}"
+        assert not path.exists() or ALL_INTERFACES not in path.read_text(encoding="utf-8"), (
+            f"{path} binds {ALL_INTERFACES}"
+        )
     text = COMPOSE_PATH.read_text(encoding="utf-8")
     assert ALL_INTERFACES in text  # In-container binds only; no published port uses it (checked above).
 
@@ -390,8 +414,17 @@ def test_copy_sources_exist_and_are_in_the_build_context():
 
 
 def test_dockerignore_keeps_secrets_and_local_state_out():
-    for path in ("docker/.env", ".env", ".venv/bin/python", ".git/HEAD", "workdir/mlflow.db", "mlflow.db",
-                 "mlartifacts/1/x", "cifar/__pycache__/config.cpython-311.pyc", "tests/test_config.py"):
+    for path in (
+        "docker/.env",
+        ".env",
+        ".venv/bin/python",
+        ".git/HEAD",
+        "workdir/mlflow.db",
+        "mlflow.db",
+        "mlartifacts/1/x",
+        "cifar/__pycache__/config.cpython-311.pyc",
+        "tests/test_config.py",
+    ):
         assert ignored_by_docker(path), f"{path} would be sent to the Docker daemon"
     for path in ("pyproject.toml", "constraints.txt", "cifar/config.py", "docker/entrypoint.sh"):
         assert not ignored_by_docker(path), path
@@ -405,12 +438,22 @@ def test_images_install_pinned_dependencies_before_the_code_as_a_non_root_user()
         assert users and users[-1] not in ("root", "0"), f"{dockerfile.name} runs as root"
         installs = [value for stage in final for value in stage.all("RUN") if "pip install" in value]
         assert installs and all("-c " in value or "--no-deps" in value for value in installs), installs
-        order = [(instruction, arguments) for stage in final for instruction, arguments in stage.instructions
-                 if instruction in ("COPY", "RUN")]
-        first_code = next(index for index, (instruction, arguments) in enumerate(order)
-                          if instruction == "COPY" and "cifar" in arguments.split())
-        dependencies = next(index for index, (instruction, arguments) in enumerate(order)
-                            if instruction == "RUN" and "-r " in arguments and "-c " in arguments)
+        order = [
+            (instruction, arguments)
+            for stage in final
+            for instruction, arguments in stage.instructions
+            if instruction in ("COPY", "RUN")
+        ]
+        first_code = next(
+            index
+            for index, (instruction, arguments) in enumerate(order)
+            if instruction == "COPY" and "cifar" in arguments.split()
+        )
+        dependencies = next(
+            index
+            for index, (instruction, arguments) in enumerate(order)
+            if instruction == "RUN" and "-r " in arguments and "-c " in arguments
+        )
         assert dependencies < first_code, f"{dockerfile.name}: the dependency layer must come before the code"
     gpu = (DOCKER_DIR / "Dockerfile.gpu").read_text(encoding="utf-8")
     assert "extras['gpu']" in gpu
@@ -428,8 +471,11 @@ def test_image_commands_exist_in_the_image(compose):
             if program is None:
                 continue
             if program.startswith("/") or program in {dest.rsplit("/", 1)[-1] for dest in copied}:
-                matches = [sources for destination, sources in copied.items()
-                           if destination == program or destination.endswith("/" + program)]
+                matches = [
+                    sources
+                    for destination, sources in copied.items()
+                    if destination == program or destination.endswith("/" + program)
+                ]
                 assert matches and all((REPO_ROOT / source).is_file() for source in matches[0]), program
             else:
                 assert program in scripts | {"python"}, f"{dockerfile.name}: {program} is not installed"
@@ -463,7 +509,9 @@ def test_environment_names_are_read_by_something(compose):
         command = command_of(service)
         init_scripts = "\n".join(
             (DOCKER_DIR / volume.split(":")[0]).read_text(encoding="utf-8")
-            for volume in service.get("volumes", []) if isinstance(volume, str) and INITDB_DIR in volume)
+            for volume in service.get("volumes", [])
+            if isinstance(volume, str) and INITDB_DIR in volume
+        )
         for variable in environment:
             if variable.startswith("PREFECT_"):
                 assert variable in prefect_names, f"{name}: {variable} is not a Prefect setting"
@@ -485,7 +533,8 @@ def test_servers_use_postgresql_and_the_databases_the_init_script_creates(compos
     mlflow_environment = environment_of(services["mlflow"])
     assert prefect_url == f"postgresql+asyncpg://{user}:{password}@postgres:5432/{postgres['CIFAR_PREFECT_DB']}"
     assert mlflow_environment["MLFLOW_BACKEND_STORE_URI"] == (
-        f"postgresql://{user}:{password}@postgres:5432/{postgres['CIFAR_MLFLOW_DB']}")
+        f"postgresql://{user}:{password}@postgres:5432/{postgres['CIFAR_MLFLOW_DB']}"
+    )
     assert mlflow_environment["MLFLOW_SERVE_ARTIFACTS"] == "true"
     artifacts = mlflow_environment["MLFLOW_ARTIFACTS_DESTINATION"]
     assert any(str(volume).endswith(":" + artifacts) for volume in services["mlflow"]["volumes"])
@@ -498,23 +547,29 @@ def test_worker_talks_to_the_compose_servers_and_serves_the_deployments_pool(com
         assert environment["PREFECT_API_URL"] == "http://prefect-server:4200/api"
         assert environment["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
         assert "mlflow:*" in environment_of(services["mlflow"])["MLFLOW_SERVER_ALLOWED_HOSTS"].split(",")
-    pools = {deployment["work_pool"]["name"] for deployment in
-             yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text(encoding="utf-8"))["deployments"]
-             if deployment.get("work_pool")}
+    pools = {
+        deployment["work_pool"]["name"]
+        for deployment in yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text(encoding="utf-8"))["deployments"]
+        if deployment.get("work_pool")
+    }
     assert environment_of(services["worker"])["CIFAR_WORK_POOL"] in pools
-
 
 
 def test_deployment_entrypoints_are_in_the_worker_images():
     deployments = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text(encoding="utf-8"))["deployments"]
     for dockerfile in ("Dockerfile", "Dockerfile.gpu"):
         stages = parse_dockerfile(DOCKER_DIR / dockerfile)
-        copied = [source for sources, destination in copy_instructions(stage_lineage(stages, None))
-                  if not destination.startswith("/tmp/") for source in sources]
+        copied = [
+            source
+            for sources, destination in copy_instructions(stage_lineage(stages, None))
+            if not destination.startswith("/tmp/")
+            for source in sources
+        ]
         assert "prefect.yaml" in copied, dockerfile
         for deployment in deployments:
             path = deployment["entrypoint"].split(":")[0]
             assert (REPO_ROOT / path).is_file(), f"{deployment['name']}: {path} does not exist"
             assert any(path == source or path.startswith(source.rstrip("/") + "/") for source in copied), (
-                f"{dockerfile} does not copy {path} ({deployment['name']})")
+                f"{dockerfile} does not copy {path} ({deployment['name']})"
+            )
             assert not ignored_by_docker(path), path

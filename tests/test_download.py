@@ -15,13 +15,7 @@ from pathlib import Path
 import pytest
 
 from cifar.config import OFFICIAL_BINARY_URL, OFFICIAL_PYTHON_MD5, OFFICIAL_PYTHON_URL
-from cifar.data.download import (
-    ArchiveInfo,
-    ChecksumMismatchError,
-    DownloadError,
-    expected_checksums,
-    fetch_archive,
-)
+from cifar.data.download import ArchiveInfo, ChecksumMismatchError, DownloadError, expected_checksums, fetch_archive
 from tests.http_server import FaultyHTTPServer
 
 NAME = "cifar-10-python.tar.gz"
@@ -133,10 +127,9 @@ def test_not_found_fails_at_once(server, downloads, digests):
 
 def test_a_host_that_does_not_resolve_fails_at_once(downloads, digests, caplog):
     # `.invalid` never resolves (RFC 2606), online or not: no request leaves this machine.
-    with caplog.at_level(logging.WARNING, logger="cifar.data.download"):
-        with pytest.raises(DownloadError, match="host 'cifar-mirror.invalid' not found"):
-            fetch_archive(f"http://cifar-mirror.invalid/{NAME}", downloads, sha256=digests["sha256"], retries=5,
-                          backoff_seconds=60)
+    url = f"http://cifar-mirror.invalid/{NAME}"
+    with caplog.at_level(logging.WARNING), pytest.raises(DownloadError, match="host 'cifar-mirror.invalid' not found"):
+        fetch_archive(url, downloads, sha256=digests["sha256"], retries=5, backoff_seconds=60)
     assert not [record for record in caplog.records if "retry" in record.getMessage()]  # No retry was waited for.
     assert_nothing_written(downloads)
 

@@ -10,6 +10,7 @@ import mlflow
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from conftest import TEST_EXAMPLES
 
 from cifar.checkpoints import CheckpointEntry, CheckpointIndex, checkpoint_file_names, write_index
 from cifar.config import DataConfig, make_config
@@ -20,8 +21,6 @@ from cifar.evaluate import confusion_matrix, evaluate, load_split, per_class_met
 from cifar.input_pipeline import center_crop
 from cifar.models import build_model, input_size
 
-from conftest import TEST_EXAMPLES
-
 
 def prepare_fixture_data(archive: str, workdir: Path) -> Path:
     """The data stage on a fixture archive: TFRecord shards and manifest under `workdir`."""
@@ -29,16 +28,23 @@ def prepare_fixture_data(archive: str, workdir: Path) -> Path:
     return Path(prepare_data(config, workdir).data_dir)
 
 
-def write_checkpoints(data_dir: Path, checkpoint_dir: Path, model_name: str = "tiny", epochs: int = 2,
-                      best_epoch: int | None = None, seed: int = 0) -> CheckpointIndex:
+def write_checkpoints(
+    data_dir: Path,
+    checkpoint_dir: Path,
+    model_name: str = "tiny",
+    epochs: int = 2,
+    best_epoch: int | None = None,
+    seed: int = 0,
+) -> CheckpointIndex:
     """Trains a model one short epoch at a time and writes checkpoints in the trainer's contract."""
     keras.utils.set_random_seed(seed)
     manifest = load_manifest(data_dir)
     images, labels = load_split(data_dir, "train")
     images = center_crop(images, input_size(model_name)).astype("float32")
     model = build_model(model_name, mean=manifest.mean, std=manifest.std)
-    model.compile(optimizer=keras.optimizers.Adam(0.01),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     entries = []
     for epoch in range(1, epochs + 1):
@@ -46,8 +52,14 @@ def write_checkpoints(data_dir: Path, checkpoint_dir: Path, model_name: str = "t
         model_file, weights_file = checkpoint_file_names(epoch)
         model.save(checkpoint_dir / model_file)
         model.save_weights(checkpoint_dir / weights_file)
-        entries.append(CheckpointEntry(epoch=epoch, model_path=model_file, eval_weights_path=weights_file,
-                                       metrics={"val_accuracy": 0.5 + 0.01 * epoch, "val_loss": 1.0}))
+        entries.append(
+            CheckpointEntry(
+                epoch=epoch,
+                model_path=model_file,
+                eval_weights_path=weights_file,
+                metrics={"val_accuracy": 0.5 + 0.01 * epoch, "val_loss": 1.0},
+            )
+        )
     index = CheckpointIndex(entries=entries, best_epoch=best_epoch or epochs)
     write_index(checkpoint_dir, index)
     return index
@@ -65,8 +77,14 @@ def trained(python_archive, tmp_path_factory) -> dict:
 
 def test_evaluate_writes_consistent_metrics_predictions_and_plots(trained):
     config = make_config("default", {"train": {"model": "tiny"}, "evaluate": {"checkpoints": "all", "flip_tta": True}})
-    result = evaluate(config, trained["data_dir"], trained["checkpoint_dir"], trained["workdir"],
-                      mlflow_run_id=None, tracking_uri=None)
+    result = evaluate(
+        config,
+        trained["data_dir"],
+        trained["checkpoint_dir"],
+        trained["workdir"],
+        mlflow_run_id=None,
+        tracking_uri=None,
+    )
 
     # The best epoch by validation accuracy is evaluated, not the last or the best on test.
     assert result.epoch == 1
@@ -80,7 +98,9 @@ def test_evaluate_writes_consistent_metrics_predictions_and_plots(trained):
     assert result.test_accuracy == metrics["test_accuracy"] and result.correct == metrics["correct"]
     assert metrics["class_names"] == list(CLASS_NAMES)
     assert set(metrics["per_class"]) == set(CLASS_NAMES)
-    assert all(set(values) == {"precision", "recall", "accuracy", "support"} for values in metrics["per_class"].values())
+    assert all(
+        set(values) == {"precision", "recall", "accuracy", "support"} for values in metrics["per_class"].values()
+    )
     assert 0 <= result.flip_tta_accuracy <= 1 and np.isfinite(result.test_loss) and result.test_loss > 0
     assert [row["epoch"] for row in result.per_checkpoint] == [1, 2]
 
@@ -106,8 +126,15 @@ def test_evaluate_logs_metrics_at_the_checkpoint_epoch_and_artifacts(trained, tm
     run_id = client.create_run(experiment_id).info.run_id
     config = make_config("default", {"train": {"model": "tiny"}, "evaluate": {"flip_tta": False}})
 
-    result = evaluate(config, trained["data_dir"], trained["checkpoint_dir"], trained["workdir"],
-                      mlflow_run_id=run_id, tracking_uri=tracking_uri, output_dir=tmp_path / "evaluation")
+    result = evaluate(
+        config,
+        trained["data_dir"],
+        trained["checkpoint_dir"],
+        trained["workdir"],
+        mlflow_run_id=run_id,
+        tracking_uri=tracking_uri,
+        output_dir=tmp_path / "evaluation",
+    )
 
     assert result.flip_tta_accuracy is None and len(result.per_checkpoint) == 1
     history = client.get_metric_history(run_id, "test_accuracy")
@@ -115,8 +142,12 @@ def test_evaluate_logs_metrics_at_the_checkpoint_epoch_and_artifacts(trained, tm
     run = client.get_run(run_id)
     assert "test_recall_airplane" in run.data.metrics and "test_accuracy_flip_tta" not in run.data.metrics
     logged = {artifact.path for artifact in client.list_artifacts(run_id, "evaluation")}
-    assert logged == {"evaluation/metrics.json", "evaluation/predictions.parquet",
-                      "evaluation/confusion_matrix.png", "evaluation/misclassified.png"}
+    assert logged == {
+        "evaluation/metrics.json",
+        "evaluation/predictions.parquet",
+        "evaluation/confusion_matrix.png",
+        "evaluation/misclassified.png",
+    }
 
 
 def test_metric_helpers_on_a_known_confusion():

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from PIL import Image
+from test_evaluate import prepare_fixture_data, write_checkpoints
 
 import cifar.export as export_module
 from cifar.checkpoints import load_eval_model, load_index
@@ -17,8 +18,6 @@ from cifar.config import make_config
 from cifar.data.synthetic import CLASS_NAMES
 from cifar.evaluate import evaluate, load_split, predict_logits, softmax
 from cifar.export import ExportVerificationError, export_model, saved_model_cli_show, serving_outputs
-
-from test_evaluate import prepare_fixture_data, write_checkpoints
 
 
 def exported_versions(root: Path) -> list[str]:
@@ -44,8 +43,16 @@ def export(setup, model_name: str, *, refresh: bool = True, **evaluation_fields)
     """Exports a model's evaluated checkpoint; `evaluation_fields` alter what the evaluation claims."""
     entry = setup[model_name]
     evaluation = entry["evaluation"].model_copy(update=evaluation_fields)
-    return export_model(entry["config"], setup["data_dir"], entry["checkpoint_dir"], setup["workdir"], evaluation,
-                        refresh=refresh, mlflow_run_id=None, tracking_uri=None)
+    return export_model(
+        entry["config"],
+        setup["data_dir"],
+        entry["checkpoint_dir"],
+        setup["workdir"],
+        evaluation,
+        refresh=refresh,
+        mlflow_run_id=None,
+        tracking_uri=None,
+    )
 
 
 @pytest.mark.parametrize("model_name", ["tiny", "tutorial"])
@@ -133,8 +140,11 @@ def test_export_that_does_not_reproduce_the_accuracy_is_rejected(setup):
     root = setup["workdir"] / "export" / "cifar10"
     listing = exported_versions(root)
     evaluation = setup["tiny"]["evaluation"]
-    wrong = (evaluation.correct + 1) / evaluation.num_examples if evaluation.correct < evaluation.num_examples \
+    wrong = (
+        (evaluation.correct + 1) / evaluation.num_examples
+        if evaluation.correct < evaluation.num_examples
         else (evaluation.correct - 1) / evaluation.num_examples
+    )
     with pytest.raises(ExportVerificationError):
         export(setup, "tiny", test_accuracy=wrong)
     assert exported_versions(root) == listing

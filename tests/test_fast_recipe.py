@@ -71,8 +71,16 @@ def test_grouped_sgd_stops_a_group_dead_after_its_last_step():
 
 
 def test_onecycle_starts_and_ends_at_fractions_of_the_peak():
-    schedule = schedules.make_schedule("onecycle", learning_rate=0.1875, batch_size=1024, steps_per_epoch=48,
-                                       epochs=10, warmup_epochs=2.3, initial_factor=0.2, final_factor=0.07)
+    schedule = schedules.make_schedule(
+        "onecycle",
+        learning_rate=0.1875,
+        batch_size=1024,
+        steps_per_epoch=48,
+        epochs=10,
+        warmup_epochs=2.3,
+        initial_factor=0.2,
+        final_factor=0.07,
+    )
     peak = 1.5  # 0.1875 * 1024 / 128.
     warmup_steps = round(2.3 * 48)
     assert float(schedule(0)) == pytest.approx(peak * (0.2 + 0.8 / warmup_steps), rel=1e-5)
@@ -83,8 +91,9 @@ def test_onecycle_starts_and_ends_at_fractions_of_the_peak():
 
 
 def test_decaying_biases_keeps_rate_times_decay_equal_for_every_parameter():
-    model = keras.Sequential([keras.Input((4, 4, 3)), keras.layers.Conv2D(2, 3, use_bias=True),
-                              keras.layers.BatchNormalization(scale=False)])
+    model = keras.Sequential(
+        [keras.Input((4, 4, 3)), keras.layers.Conv2D(2, 3, use_bias=True), keras.layers.BatchNormalization(scale=False)]
+    )
     decayed = add_weight_decay(model, 1e-3, decay_biases=True, bias_multiplier=64.0)
     assert len(decayed) == 3  # Kernel, conv bias, batch-norm beta.
     coefficients = {variable.path.split("/")[-1]: variable.regularizer.l2 for variable in model.trainable_variables}
@@ -107,7 +116,8 @@ def test_lookahead_blends_on_its_schedule_and_ends_on_the_slow_weights():
     inputs, targets = np.random.rand(24, 4).astype("float32"), np.random.rand(24, 3).astype("float32")
     history: list[np.ndarray] = []
     recorder = keras.callbacks.LambdaCallback(
-        on_train_batch_end=lambda *_, **__: history.append(np.asarray(model.weights[0]).copy()))
+        on_train_batch_end=lambda *_, **__: history.append(np.asarray(model.weights[0]).copy())
+    )
     lookahead = Lookahead(every=2, steps_per_epoch=3, total_steps=6, start_fraction=0.0)
     model.fit(inputs, targets, batch_size=4, epochs=2, steps_per_epoch=3, callbacks=[lookahead, recorder], verbose=0)
     assert int(model.optimizer.iterations) == 6 and len(history) == 6
@@ -141,8 +151,17 @@ def test_reflect_padded_crops_never_show_zero_borders():
 
 def test_alternating_flip_pipeline_shows_each_image_both_ways_in_two_epochs(data_dir):
     # Without translation, an image's two epochs are exactly it and its mirror.
-    settings = dict(splits=["train"], batch_size=100, image_size=32, seed=1, deterministic=True, crop_padding=0,
-                    flip="alternating", steps_per_epoch=5, shuffle_buffer=1)
+    settings = dict(
+        splits=["train"],
+        batch_size=100,
+        image_size=32,
+        seed=1,
+        deterministic=True,
+        crop_padding=0,
+        flip="alternating",
+        steps_per_epoch=5,
+        shuffle_buffer=1,
+    )
     batches = [images.numpy() for images, _ in make_train_dataset(data_dir, **settings).take(10)]
     first, second = np.concatenate(batches[:5]), np.concatenate(batches[5:])
     mirrored = first[:, :, ::-1, :]
@@ -168,8 +187,9 @@ def test_translate_tta_shifts_by_one_pixel_with_reflection():
     model = keras.Model(inputs, keras.layers.Dense(10, kernel_initializer="ones")(pooled))
     plain = model.predict(images.astype("float32"), verbose=0)
     constant_images = np.full((2, 4, 4, 1), 7, np.uint8)
-    np.testing.assert_allclose(tta_logits(model, constant_images, 2),
-                               model.predict(constant_images.astype("float32"), verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(
+        tta_logits(model, constant_images, 2), model.predict(constant_images.astype("float32"), verbose=0), rtol=1e-5
+    )
     assert tta_logits(model, images, 2).shape == plain.shape
 
 
@@ -185,9 +205,17 @@ def test_fast_preset_config_is_airbench94_converted():
 
 
 def test_fast_preset_trains_the_fast_net_end_to_end(data_dir, tmp_path):
-    overrides = {"train": {"epochs": 2, "batch_size": 100, "warmup_epochs": 1, "whitening_bias_epochs": 1,
-                           "deterministic": True, "shuffle_buffer": 1000},
-                 "tracking": {"system_metrics": False}}
+    overrides = {
+        "train": {
+            "epochs": 2,
+            "batch_size": 100,
+            "warmup_epochs": 1,
+            "whitening_bias_epochs": 1,
+            "deterministic": True,
+            "shuffle_buffer": 1000,
+        },
+        "tracking": {"system_metrics": False},
+    }
     config = make_config("fast", overrides)
     result = train(config, data_dir, tmp_path)
     assert result.epochs_completed == 2 and np.isfinite(result.metrics["loss"])

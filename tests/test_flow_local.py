@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from servers import REPO_ROOT, prefect_env
 
 from cifar.io import file_digest
-from servers import REPO_ROOT, prefect_env
 from cifar.reuse import code_version
 
 DATA_ONLY = ["--until", "data", "--set", "data.expect_official_counts=false", "--set", "data.validation_size=100"]
@@ -23,8 +23,14 @@ def prefect_home(tmp_path_factory) -> Path:
 
 def run_pipeline(prefect_home: Path, *argv: str) -> subprocess.CompletedProcess:
     """Runs the pipeline script as a user would, with an isolated PREFECT_HOME and no PREFECT_API_URL."""
-    return subprocess.run([sys.executable, "flows/pipeline.py", *argv], cwd=REPO_ROOT, env=prefect_env(prefect_home),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "flows/pipeline.py", *argv],
+        cwd=REPO_ROOT,
+        env=prefect_env(prefect_home),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def code_versions() -> dict[str, str]:
@@ -59,7 +65,7 @@ def test_data_stage_writes_the_summary_then_is_cached(prefect_home, python_archi
     assert summary["task_states"] == {"download": "Completed", "prepare": "Completed"}
     assert "cifar pipeline done" in first.stdout and summary["data_dir"] in first.stdout
 
-    versions_before_second, second = code_versions(), run_pipeline(prefect_home, *argv)
+    second = run_pipeline(prefect_home, *argv)
     assert second.returncode == 0, second.stderr[-4000:]
     expected = expected_cached(versions)
     assert task_states(workdir, expected) == expected
@@ -75,16 +81,19 @@ def test_data_stage_writes_the_summary_then_is_cached(prefect_home, python_archi
     # --refresh recomputes even though everything is in place.
     refreshed = run_pipeline(prefect_home, *argv, "--refresh")
     assert refreshed.returncode == 0, refreshed.stderr[-4000:]
-    assert json.loads((workdir / "summary.json").read_text())["task_states"] == {"download": "Completed",
-                                                                                 "prepare": "Completed"}
+    assert json.loads((workdir / "summary.json").read_text())["task_states"] == {
+        "download": "Completed",
+        "prepare": "Completed",
+    }
 
 
 def test_wrong_checksum_fails_naming_both_digests_and_leaves_no_data(prefect_home, python_archive, tmp_path):
     workdir = tmp_path / "workdir"
     wrong, actual = "0" * 64, file_digest(python_archive)
 
-    result = run_pipeline(prefect_home, "--source", python_archive, "--sha256", wrong, "--workdir", str(workdir),
-                          *DATA_ONLY)
+    result = run_pipeline(
+        prefect_home, "--source", python_archive, "--sha256", wrong, "--workdir", str(workdir), *DATA_ONLY
+    )
 
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]

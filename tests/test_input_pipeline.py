@@ -80,7 +80,7 @@ def _is_crop_of(augmented: np.ndarray, original: np.ndarray, pad: int) -> bool:
     padded = np.pad(original, [(pad, pad), (pad, pad), (0, 0)])
     for row in range(padded.shape[0] - size + 1):
         for column in range(padded.shape[1] - size + 1):
-            window = padded[row:row + size, column:column + size]
+            window = padded[row : row + size, column : column + size]
             if np.array_equal(window, augmented) or np.array_equal(window[:, ::-1], augmented):
                 return True
     return False
@@ -89,8 +89,8 @@ def _is_crop_of(augmented: np.ndarray, original: np.ndarray, pad: int) -> bool:
 @pytest.mark.parametrize(("image_size", "pad"), [(32, 4), (24, 0)])
 def test_augmentation_changes_images_but_only_crops_and_flips_source_pixels(data_dir, image_size, pad):
     # The shuffle does not depend on augmentation, so both streams hold the same examples.
-    (plain, plain_labels), = train_batches(data_dir, 1, augment=False, image_size=32)
-    (augmented, labels), = train_batches(data_dir, 1, augment=True, image_size=image_size)
+    ((plain, plain_labels),) = train_batches(data_dir, 1, augment=False, image_size=32)
+    ((augmented, labels),) = train_batches(data_dir, 1, augment=True, image_size=image_size)
     np.testing.assert_array_equal(plain_labels, labels)
     if image_size == 32:
         assert not np.array_equal(plain, augmented)

@@ -3,10 +3,10 @@ in float32 and under mixed_bfloat16; the other layers do what the reference code
 
 from __future__ import annotations
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-import keras
 from keras import layers
 
 from cifar.layers import (
@@ -94,7 +94,8 @@ def _assert_matches(keras_bn, fused_bn, batches, tolerance: float) -> None:
     np.testing.assert_allclose(
         np.float32(fused_bn(inference_input, training=False)),
         np.float32(keras_bn(inference_input, training=False)),
-        atol=tolerance, rtol=tolerance,
+        atol=tolerance,
+        rtol=tolerance,
     )
 
 
@@ -211,8 +212,9 @@ def test_gelu_is_the_exact_gelu_with_its_exact_gradient(training):
         ours = layer(values, training=training)
         reference = keras.activations.gelu(values, approximate=False)
     np.testing.assert_allclose(ours.numpy(), reference.numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(tape.gradient(ours, values).numpy(), tape.gradient(reference, values).numpy(),
-                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        tape.gradient(ours, values).numpy(), tape.gradient(reference, values).numpy(), rtol=1e-4, atol=1e-6
+    )
 
 
 def test_gelu_under_mixed_bfloat16_rounds_only_its_output(mixed_bfloat16):

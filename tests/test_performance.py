@@ -42,8 +42,7 @@ def write_cpuinfo(tmp_path, extra_flags: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "extra_flags,expected",
-    [("amx_bf16 amx_tile", True), ("avx512_bf16", True), ("avx512_fp16", False), ("", False)],
+    "extra_flags,expected", [("amx_bf16 amx_tile", True), ("avx512_bf16", True), ("avx512_fp16", False), ("", False)]
 )
 def test_cpu_supports_bf16_reads_cpuinfo_flags(tmp_path, extra_flags, expected):
     assert performance.cpu_supports_bf16(write_cpuinfo(tmp_path, extra_flags)) is expected

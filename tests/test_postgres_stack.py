@@ -19,24 +19,24 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from servers import BIN_DIR, ProcessHandle, _spawn, free_port, prefect_env
 from test_docker_config import (
     ALL_INTERFACES,
     DOCKER_DIR,
     ENV_EXAMPLE_PATH,
     REPO_ROOT,
+    Stage,
     command_of,
     copy_instructions,
     effective,
     environment_of,
     load_compose,
-    Stage,
     parse_dockerfile,
     read_env_file,
     stage_lineage,
@@ -59,12 +59,14 @@ _POSTGRES_MISSING = _install_postgres()
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(_POSTGRES_MISSING is not None,
-                       reason=f"PostgreSQL cannot be installed on this machine: {_POSTGRES_MISSING}"),
+    pytest.mark.skipif(
+        _POSTGRES_MISSING is not None, reason=f"PostgreSQL cannot be installed on this machine: {_POSTGRES_MISSING}"
+    ),
 ]
 
 
 # --- The compose file, localized ----------------------------------------------------------------------
+
 
 @dataclass
 class Stack:
@@ -128,8 +130,9 @@ class Stack:
                     target = target / origin.name if origin.is_file() else target
                 target.parent.mkdir(parents=True, exist_ok=True)
                 if origin.is_dir():
-                    shutil.copytree(origin, target, dirs_exist_ok=True,
-                                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                    shutil.copytree(
+                        origin, target, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+                    )
                 else:
                     shutil.copy2(origin, target)
         return self.container_path(service, workdir)
@@ -146,8 +149,11 @@ class Stack:
 
     def process_environment(self, service: str, **extra: str) -> dict[str, str]:
         """What a process of `service` sees: image ENV + the service's environment, localized."""
-        environment = {key: value for key, value in os.environ.items()
-                       if not key.startswith(("PREFECT_", "MLFLOW_", "PG", "POSTGRES_")) and key != "PWD"}
+        environment = {
+            key: value
+            for key, value in os.environ.items()
+            if not key.startswith(("PREFECT_", "MLFLOW_", "PG", "POSTGRES_")) and key != "PWD"
+        }
         environment.update(self.image_environment(service))
         environment.update(environment_of(self.services[service]))
         environment = {key: self.localize(value, service) for key, value in environment.items()}
@@ -175,8 +181,9 @@ class Stack:
         except subprocess.TimeoutExpired:
             return False
 
-    def wait_healthy(self, service: str, environment: dict[str, str], handle: ProcessHandle | None,
-                     timeout: float) -> None:
+    def wait_healthy(
+        self, service: str, environment: dict[str, str], handle: ProcessHandle | None, timeout: float
+    ) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if handle is not None and not handle.alive():
@@ -187,13 +194,15 @@ class Stack:
         logs = handle.logs()[-6000:] if handle else ""
         raise TimeoutError(f"{service} not healthy after {timeout:.0f}s:\n{logs}")
 
-    def start(self, service: str, argv: list[str], *, cwd: Path | None = None, timeout: float = 240,
-              **extra: str) -> ProcessHandle:
+    def start(
+        self, service: str, argv: list[str], *, cwd: Path | None = None, timeout: float = 240, **extra: str
+    ) -> ProcessHandle:
         """Starts `argv` as `service` and waits until the service's own health check passes."""
         environment = self.process_environment(service, **extra)
         log_path = self.root / "logs" / f"{service}.log"
-        handle = ProcessHandle(_spawn(self.argv(argv, environment), environment, log_path, cwd=cwd),
-                               log_path, environment)
+        handle = ProcessHandle(
+            _spawn(self.argv(argv, environment), environment, log_path, cwd=cwd), log_path, environment
+        )
         try:
             self.wait_healthy(service, environment, handle, timeout)
         except BaseException:
@@ -205,8 +214,12 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Stack:
     root = tmp_path_factory.mktemp("stack")
-    ports = {"postgres:5432": free_port(), "prefect-server:4200": free_port(), "mlflow:5000": free_port(),
-             "worker:8080": free_port()}
+    ports = {
+        "postgres:5432": free_port(),
+        "prefect-server:4200": free_port(),
+        "mlflow:5000": free_port(),
+        "worker:8080": free_port(),
+    }
     variables = read_env_file(ENV_EXAMPLE_PATH)
     variables.update(
         POSTGRES_PASSWORD=secrets.token_urlsafe(18),
@@ -245,13 +258,25 @@ def postgres(stack: Stack) -> Iterator[Postgres]:
     # Outside pytest's private temp root: as root, the cluster belongs to the `postgres` user.
     directory = Path(tempfile.mkdtemp(prefix="cifar-postgres-", dir="/tmp"))
     port = stack.ports["postgres:5432"]
-    environment = {**os.environ, "POSTGRES_USER": service["POSTGRES_USER"],
-                   "POSTGRES_PASSWORD": service["POSTGRES_PASSWORD"]}
+    environment = {
+        **os.environ,
+        "POSTGRES_USER": service["POSTGRES_USER"],
+        "POSTGRES_PASSWORD": service["POSTGRES_PASSWORD"],
+    }
     try:
         _run(["bash", str(POSTGRES_SCRIPT), "start", str(directory), str(port)], environment, timeout=180)
-        client = {**os.environ, **service, "PGHOST": HOST, "PGPORT": str(port), "PGPASSWORD": service["POSTGRES_PASSWORD"]}
-        init_script = next(str(volume).split(":")[0] for volume in stack.services["postgres"]["volumes"]
-                           if "docker-entrypoint-initdb.d" in str(volume))
+        client = {
+            **os.environ,
+            **service,
+            "PGHOST": HOST,
+            "PGPORT": str(port),
+            "PGPASSWORD": service["POSTGRES_PASSWORD"],
+        }
+        init_script = next(
+            str(volume).split(":")[0]
+            for volume in stack.services["postgres"]["volumes"]
+            if "docker-entrypoint-initdb.d" in str(volume)
+        )
         _run(["bash", str(DOCKER_DIR / init_script)], client, timeout=60)
         assert stack.healthy("postgres", client), "the compose health check fails against this server"
         yield Postgres(port, service["POSTGRES_USER"], service["POSTGRES_PASSWORD"])
@@ -265,8 +290,11 @@ def prefect_server(stack: Stack, postgres: Postgres) -> Iterator[str]:
     """The Prefect server as compose runs it; yields its API URL."""
     # The one setting added to compose's: no scheduler, so prefect.yaml's nightly schedule can never
     # hand the test's worker a full training run.
-    handle = stack.start("prefect-server", command_of(stack.services["prefect-server"]),
-                         PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED="false")
+    handle = stack.start(
+        "prefect-server",
+        command_of(stack.services["prefect-server"]),
+        PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED="false",
+    )
     yield f"http://{HOST}:{stack.ports['prefect-server:4200']}/api"
     handle.stop()
 
@@ -291,6 +319,7 @@ def _get(url: str) -> tuple[int, str]:
 
 # --- Tests --------------------------------------------------------------------------------------------
 
+
 def test_prefect_server_keeps_flow_runs_in_postgresql(stack, postgres, prefect_server, tmp_path):
     status, page = _get(prefect_server.removesuffix("/api") + "/")
     assert status == 200 and "<html" in page.lower()  # The UI is served (its bundle lives under HOME).
@@ -302,19 +331,28 @@ def test_prefect_server_keeps_flow_runs_in_postgresql(stack, postgres, prefect_s
         "state = probe(21, return_state=True)\n"
         "print(state.state_details.flow_run_id, state.result())\n"
     )
-    result = subprocess.run([sys.executable, "-c", probe], env=prefect_env(tmp_path / "client", prefect_server),
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        env=prefect_env(tmp_path / "client", prefect_server),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     flow_run_id, value = result.stdout.split()[-2:]
     assert value == "42"
     database = environment_of(stack.services["postgres"])["CIFAR_PREFECT_DB"]
-    rows = postgres.query(database, "SELECT fr.state_type, f.name FROM flow_run fr JOIN flow f ON f.id = fr.flow_id "
-                                    "WHERE fr.id = %s", flow_run_id)
+    rows = postgres.query(
+        database,
+        "SELECT fr.state_type, f.name FROM flow_run fr JOIN flow f ON f.id = fr.flow_id WHERE fr.id = %s",
+        flow_run_id,
+    )
     assert rows == [("COMPLETED", "postgres-probe")]
 
 
 def test_mlflow_server_keeps_runs_and_models_in_postgresql_and_artifacts_on_the_volume(
-        stack, postgres, mlflow_server, tmp_path):
+    stack, postgres, mlflow_server, tmp_path
+):
     import mlflow
 
     status, page = _get(mlflow_server + "/")
@@ -328,8 +366,9 @@ def test_mlflow_server_keeps_runs_and_models_in_postgresql_and_artifacts_on_the_
     client.log_artifact(run.info.run_id, str(report))
     client.set_terminated(run.info.run_id)
     client.create_registered_model("postgres-probe-model")
-    version = client.create_model_version("postgres-probe-model", f"runs:/{run.info.run_id}/report.txt",
-                                          run_id=run.info.run_id)
+    version = client.create_model_version(
+        "postgres-probe-model", f"runs:/{run.info.run_id}/report.txt", run_id=run.info.run_id
+    )
 
     assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # Served by the server, not a client path.
     assert [artifact.path for artifact in client.list_artifacts(run.info.run_id)] == ["report.txt"]
@@ -337,16 +376,20 @@ def test_mlflow_server_keeps_runs_and_models_in_postgresql_and_artifacts_on_the_
     assert [path.read_text() for path in volume.rglob("report.txt")] == ["stored through the server\n"]
 
     database = environment_of(stack.services["postgres"])["CIFAR_MLFLOW_DB"]
-    assert postgres.query(database, "SELECT key, value FROM metrics WHERE run_uuid = %s",
-                          run.info.run_id) == [("accuracy", 0.5)]
-    assert postgres.query(database, "SELECT name FROM registered_models WHERE name = %s",
-                          "postgres-probe-model") == [("postgres-probe-model",)]
-    assert postgres.query(database, "SELECT version, run_id FROM model_versions WHERE name = %s",
-                          "postgres-probe-model") == [(int(version.version), run.info.run_id)]
+    assert postgres.query(database, "SELECT key, value FROM metrics WHERE run_uuid = %s", run.info.run_id) == [
+        ("accuracy", 0.5)
+    ]
+    assert postgres.query(database, "SELECT name FROM registered_models WHERE name = %s", "postgres-probe-model") == [
+        ("postgres-probe-model",)
+    ]
+    assert postgres.query(
+        database, "SELECT version, run_id FROM model_versions WHERE name = %s", "postgres-probe-model"
+    ) == [(int(version.version), run.info.run_id)]
 
 
 def test_smoke_deployment_runs_through_the_compose_worker_into_postgresql(
-        stack, postgres, prefect_server, mlflow_server, tmp_path):
+    stack, postgres, prefect_server, mlflow_server, tmp_path
+):
     """The worker service's entry point deploys prefect.yaml and runs `cifar/smoke` on a generated archive."""
     import mlflow
 
@@ -359,26 +402,52 @@ def test_smoke_deployment_runs_through_the_compose_worker_into_postgresql(
     worker = stack.start("worker", worker_command, cwd=app, timeout=600)
     try:
         # Tiny settings: the point is the path through the servers, not the model.
-        parameters = {"config": {
-            "preset": "smoke",
-            "data": {"source": str(archive), "sha256": file_digest(archive), "validation_size": 60,
-                     "expect_official_counts": False, "train_shards": 2, "test_shards": 1},
-            "train": {"model": "tiny", "epochs": 1, "steps_per_epoch": 2, "batch_size": 32, "shuffle_buffer": 256},
-            "evaluate": {"batch_size": 100, "misclassified_examples": 4},
-        }}
+        parameters = {
+            "config": {
+                "preset": "smoke",
+                "data": {
+                    "source": str(archive),
+                    "sha256": file_digest(archive),
+                    "validation_size": 60,
+                    "expect_official_counts": False,
+                    "train_shards": 2,
+                    "test_shards": 1,
+                },
+                "train": {"model": "tiny", "epochs": 1, "steps_per_epoch": 2, "batch_size": 32, "shuffle_buffer": 256},
+                "evaluate": {"batch_size": 100, "misclassified_examples": 4},
+            }
+        }
         client = prefect_env(tmp_path / "client", prefect_server)
         result = subprocess.run(
-            [str(BIN_DIR / "prefect"), "deployment", "run", "cifar/smoke", "--params", json.dumps(parameters),
-             "--watch", "--watch-timeout", "900"],
-            env=client, capture_output=True, text=True, timeout=960)
+            [
+                str(BIN_DIR / "prefect"),
+                "deployment",
+                "run",
+                "cifar/smoke",
+                "--params",
+                json.dumps(parameters),
+                "--watch",
+                "--watch-timeout",
+                "900",
+            ],
+            env=client,
+            capture_output=True,
+            text=True,
+            timeout=960,
+        )
         assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{worker.logs()[-6000:]}"
     finally:
         worker.stop()
 
     prefect_database = environment_of(stack.services["postgres"])["CIFAR_PREFECT_DB"]
-    runs = postgres.query(prefect_database, (
-        "SELECT fr.state_type, f.name FROM flow_run fr JOIN deployment d ON d.id = fr.deployment_id "
-        "JOIN flow f ON f.id = fr.flow_id WHERE d.name = %s"), "smoke")
+    runs = postgres.query(
+        prefect_database,
+        (
+            "SELECT fr.state_type, f.name FROM flow_run fr JOIN deployment d ON d.id = fr.deployment_id "
+            "JOIN flow f ON f.id = fr.flow_id WHERE d.name = %s"
+        ),
+        "smoke",
+    )
     assert runs == [("COMPLETED", "cifar")]
     summary = json.loads((app / "workdir" / "summary.json").read_text())  # On the worker's workdir volume.
     assert summary["preset"] == "smoke"
@@ -392,10 +461,16 @@ def test_smoke_deployment_runs_through_the_compose_worker_into_postgresql(
     artifacts_volume = stack.paths("mlflow")[environment_of(stack.services["mlflow"])["MLFLOW_ARTIFACTS_DESTINATION"]]
     assert any(path.is_file() for path in (artifacts_volume / experiment.experiment_id / run.info.run_id).rglob("*"))
     mlflow_database = environment_of(stack.services["postgres"])["CIFAR_MLFLOW_DB"]
-    metric_keys = {key for (key,) in postgres.query(
-        mlflow_database, "SELECT DISTINCT key FROM metrics WHERE run_uuid = %s", run.info.run_id)}
+    metric_keys = {
+        key
+        for (key,) in postgres.query(
+            mlflow_database, "SELECT DISTINCT key FROM metrics WHERE run_uuid = %s", run.info.run_id
+        )
+    }
     assert set(run.data.metrics) <= metric_keys and "test_accuracy" in metric_keys
-    assert postgres.query(mlflow_database, "SELECT name FROM registered_models WHERE name = %s",
-                          "cifar10") == [("cifar10",)]
-    assert postgres.query(mlflow_database, "SELECT run_id FROM model_versions WHERE name = %s",
-                          "cifar10") == [(run.info.run_id,)]
+    assert postgres.query(mlflow_database, "SELECT name FROM registered_models WHERE name = %s", "cifar10") == [
+        ("cifar10",)
+    ]
+    assert postgres.query(mlflow_database, "SELECT run_id FROM model_versions WHERE name = %s", "cifar10") == [
+        (run.info.run_id,)
+    ]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from servers import REPO_ROOT, ProcessHandle, ServerHandle, free_port, run_cli, start_prefect_server, start_worker
 
 from cifar.io import file_digest
 from cifar.reuse import STAGE_MODULES, code_version
-from servers import REPO_ROOT, ProcessHandle, ServerHandle, free_port, run_cli, start_prefect_server, start_worker
 
 pytestmark = pytest.mark.integration
 
@@ -26,8 +26,7 @@ POOL = "cifar-process"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 # The download task is never cached: the archive's digest is computed every run (it keys the data).
 EXPENSIVE_TASKS = ("prepare", "train", "evaluate", "export", "register")
-TASK_STAGES = {"prepare": "data", "train": "train", "evaluate": "evaluate",
-               "export": "export", "register": "register"}
+TASK_STAGES = {"prepare": "data", "train": "train", "evaluate": "evaluate", "export": "export", "register": "register"}
 RUN_TIMEOUT_SECONDS = 420
 
 
@@ -51,10 +50,15 @@ def stack(tmp_path_factory) -> Stack:
         run_cli(["prefect", "work-pool", "create", POOL, "--type", "process"], env=env)
         run_cli(["prefect", "concurrency-limit", "create", "training", "1"], env=env)
         run_cli(["prefect", "--no-prompt", "deploy", "--all"], env=env, cwd=REPO_ROOT)
-        worker = start_worker(server, POOL, cwd=REPO_ROOT, extra_env={
-            "PWD": str(REPO_ROOT),  # The pull step's working directory.
-            "CUDA_VISIBLE_DEVICES": "",
-        })
+        worker = start_worker(
+            server,
+            POOL,
+            cwd=REPO_ROOT,
+            extra_env={
+                "PWD": str(REPO_ROOT),  # The pull step's working directory.
+                "CUDA_VISIBLE_DEVICES": "",
+            },
+        )
         yield Stack(server, worker, env)
     finally:
         if worker is not None:
@@ -68,8 +72,12 @@ def smoke_parameters(archive: str, workdir: Path, tracking_uri: str, **train: ob
         "workdir": str(workdir),
         "config": {
             "preset": "smoke",
-            "data": {"source": archive, "sha256": file_digest(archive), "expect_official_counts": False,
-                     "validation_size": 100},
+            "data": {
+                "source": archive,
+                "sha256": file_digest(archive),
+                "expect_official_counts": False,
+                "validation_size": 100,
+            },
             "train": {"model": "tiny", "epochs": 2, "steps_per_epoch": 3, "batch_size": 32, **train},
             "tracking": {"tracking_uri": tracking_uri, "system_metrics": False},
         },
@@ -102,21 +110,28 @@ def wait_for(stack: Stack, flow_run_id: str) -> dict:
 
 def task_states(stack: Stack, flow_run_id: str) -> dict[str, str]:
     """Task name (without the run suffix) -> state name, for the tasks of the flow run."""
-    response = httpx.post(f"{stack.server.api_url}/task_runs/filter",
-                          json={"flow_runs": {"id": {"any_": [flow_run_id]}}}, timeout=30)
+    response = httpx.post(
+        f"{stack.server.api_url}/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}}, timeout=30
+    )
     return {run["name"].rsplit("-", 1)[0]: run["state"]["name"] for run in response.json()}
 
 
 def flow_run_logs(stack: Stack, flow_run_id: str) -> str:
-    response = httpx.post(f"{stack.server.api_url}/logs/filter",
-                          json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}, timeout=30)
+    response = httpx.post(
+        f"{stack.server.api_url}/logs/filter",
+        json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200},
+        timeout=30,
+    )
     return "\n".join(entry["message"] for entry in response.json())
 
 
 def artifacts(stack: Stack, flow_run_id: str) -> dict[str, dict]:
     """Artifact key -> artifact, for the artifacts of the flow run (its tasks' included)."""
-    response = httpx.post(f"{stack.server.api_url}/artifacts/filter",
-                          json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}, timeout=30)
+    response = httpx.post(
+        f"{stack.server.api_url}/artifacts/filter",
+        json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}},
+        timeout=30,
+    )
     return {artifact["key"]: artifact for artifact in response.json() if artifact["key"]}
 
 
@@ -155,8 +170,9 @@ def test_smoke_deployment_runs_then_reuses_every_stage(stack, python_archive, tm
 
     run = mlflow.MlflowClient(tracking_uri=tracking_uri).get_run(summary["mlflow_run_id"])
     assert run.data.metrics["test_accuracy"] == pytest.approx(summary["test_accuracy"])
-    assert all(state == "Completed" for name, state in task_states(stack, first["id"]).items()), \
-        task_states(stack, first["id"])
+    assert all(state == "Completed" for name, state in task_states(stack, first["id"]).items()), task_states(
+        stack, first["id"]
+    )
     shown = artifacts(stack, first["id"])
     assert shown["training"]["type"] == "progress" and float(shown["training"]["data"]) == 100.0
     report = shown["cifar-report"]["data"]
@@ -201,8 +217,11 @@ def test_sweep_groups_its_child_runs_under_one_mlflow_parent(stack, python_archi
 
     swept = wait_for(stack, run_deployment(stack, "cifar-sweep/sweep", parameters))
     assert swept["state"]["type"] == "COMPLETED", f"{swept['state']}\n{stack.diagnostics()}"
-    children = httpx.post(f"{stack.server.api_url}/flow_runs/filter", timeout=30, json={
-        "flow_runs": {"parent_flow_run_id": {"any_": [swept["id"]]}}}).json()
+    children = httpx.post(
+        f"{stack.server.api_url}/flow_runs/filter",
+        timeout=30,
+        json={"flow_runs": {"parent_flow_run_id": {"any_": [swept["id"]]}}},
+    ).json()
     assert sorted(child["name"] for child in children) == ["tiny-lr0.02", "tiny-lr0.05"]
     import mlflow
 
@@ -215,8 +234,11 @@ def test_sweep_groups_its_child_runs_under_one_mlflow_parent(stack, python_archi
     assert "best_val_accuracy" in parents[0].data.metrics
 
 
-@pytest.mark.parametrize("launcher", [None, [str(REPO_ROOT / "scripts" / "prefect_server.sh")]],
-                         ids=["prefect-server-start", "scripts-prefect-server-sh"])
+@pytest.mark.parametrize(
+    "launcher",
+    [None, [str(REPO_ROOT / "scripts" / "prefect_server.sh")]],
+    ids=["prefect-server-start", "scripts-prefect-server-sh"],
+)
 def test_an_event_redelivered_after_a_server_restart(tmp_path, launcher):
     # Events arrive at least once: a client resends what it has not checkpointed when it reconnects,
     # e.g. after a server restart, whose in-memory duplicate filter starts empty. Stock 3.8.8 on
@@ -236,14 +258,26 @@ def test_an_event_redelivered_after_a_server_restart(tmp_path, launcher):
             await client.emit(event)
 
     for delivery in ("original", "after restart"):
-        server = start_prefect_server(home, launcher=launcher, port=port,
-                                      PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL="0.5",
-                                      PREFECT_SERVER_SERVICES_EVENT_PERSISTER_MAX_FLUSH_RETRIES="2")
+        server = start_prefect_server(
+            home,
+            launcher=launcher,
+            port=port,
+            PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL="0.5",
+            PREFECT_SERVER_SERVICES_EVENT_PERSISTER_MAX_FLUSH_RETRIES="2",
+        )
         try:
             asyncio.run(deliver(server.api_url))
             time.sleep(4)  # Flushes (and, for the duplicate, the failed flush and its retry).
-            stored = httpx.post(f"{server.api_url}/events/filter", timeout=30, json={"filter": {
-                "event": {"name": ["cifar.test.redelivered"]}, "occurred": {"since": "2000-01-01T00:00:00Z"}}})
+            stored = httpx.post(
+                f"{server.api_url}/events/filter",
+                timeout=30,
+                json={
+                    "filter": {
+                        "event": {"name": ["cifar.test.redelivered"]},
+                        "occurred": {"since": "2000-01-01T00:00:00Z"},
+                    }
+                },
+            )
         finally:
             server.stop()
         assert [item["id"] for item in stored.json()["events"]] == [str(event.id)], delivery

@@ -18,18 +18,24 @@ from cifar.data.archive import CorruptArchiveError
 from cifar.data.download import ChecksumMismatchError
 from cifar.data.manifest import load_manifest
 from cifar.data.prepare import IncompleteDataError, prepare_data, verify_data_dir
-from cifar.reuse import data_key
 from cifar.data.synthetic import CLASS_NAMES, source_arrays
 from cifar.data.validate import InvalidDatasetError
 from cifar.io import file_digests
+from cifar.reuse import data_key
 
 TRAIN_PER_BATCH = 100  # The conftest fixtures: 5 batches of 100 training images, 200 test images.
 TEST_EXAMPLES = 200
 
 
 def _config(source: str, **overrides) -> DataConfig:
-    values = dict(source=source, expect_official_counts=False, validation_size=100,
-                  train_shards=4, validation_shards=1, test_shards=2)
+    values = dict(
+        source=source,
+        expect_official_counts=False,
+        validation_size=100,
+        train_shards=4,
+        validation_shards=1,
+        test_shards=2,
+    )
     return DataConfig(**{**values, **overrides})
 
 
@@ -54,8 +60,12 @@ def test_prepare_writes_shards_manifest_and_statistics(python_archive, tmp_path)
     assert result.manifest_path == str(data_dir / "manifest.json")
 
     manifest = load_manifest(data_dir)
-    assert manifest.source.model_dump() == {"location": python_archive, "sha256": digests["sha256"],
-                                            "md5": digests["md5"], "layout": "python"}
+    assert manifest.source.model_dump() == {
+        "location": python_archive,
+        "sha256": digests["sha256"],
+        "md5": digests["md5"],
+        "layout": "python",
+    }
     assert manifest.class_names == list(CLASS_NAMES)
     assert manifest.settings == {"validation_size": 100, "train_shards": 4, "validation_shards": 1, "test_shards": 2}
     assert [len(manifest.splits[split].shards) for split in ("train", "validation", "test")] == [4, 1, 2]

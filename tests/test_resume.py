@@ -20,9 +20,18 @@ from cifar.data.prepare import prepare_data
 WORKER = Path(__file__).with_name("train_worker.py")
 REPOSITORY = WORKER.parents[1]
 EPOCHS = 4
-CONFIG = {"train": {"model": "tiny", "epochs": EPOCHS, "batch_size": 32, "learning_rate": 0.4,
-                    "schedule": "cosine", "keep_checkpoints": 2, "run_name": "resume-test"},
-          "tracking": {"system_metrics": False}}
+CONFIG = {
+    "train": {
+        "model": "tiny",
+        "epochs": EPOCHS,
+        "batch_size": 32,
+        "learning_rate": 0.4,
+        "schedule": "cosine",
+        "keep_checkpoints": 2,
+        "run_name": "resume-test",
+    },
+    "tracking": {"system_metrics": False},
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +51,7 @@ def worker_environment() -> dict[str, str]:
 
 
 def epochs_reported(output: str) -> list[int]:
-    return [json.loads(line[len("EPOCH "):])["epoch"] for line in output.splitlines() if line.startswith("EPOCH ")]
+    return [json.loads(line[len("EPOCH ") :])["epoch"] for line in output.splitlines() if line.startswith("EPOCH ")]
 
 
 def test_killed_training_resumes_without_losing_or_repeating_epochs(data_dir, tmp_path):
@@ -52,8 +61,14 @@ def test_killed_training_resumes_without_losing_or_repeating_epochs(data_dir, tm
 
     # First attempt: pauses after every epoch so the kill lands mid-run, after >= 1 checkpoint.
     with open(log_path, "w") as log:
-        process = subprocess.Popen(worker_command(data_dir, workdir, "--epoch-sleep", "5"), stdout=log,
-                                   stderr=subprocess.STDOUT, text=True, cwd=REPOSITORY, env=worker_environment())
+        process = subprocess.Popen(
+            worker_command(data_dir, workdir, "--epoch-sleep", "5"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPOSITORY,
+            env=worker_environment(),
+        )
         try:
             deadline = time.monotonic() + 180
             while time.monotonic() < deadline and process.poll() is None:
@@ -74,8 +89,14 @@ def test_killed_training_resumes_without_losing_or_repeating_epochs(data_dir, tm
     assert state["status"] == "running"
 
     # Second attempt: the same command resumes after the last checkpointed epoch.
-    completed = subprocess.run(worker_command(data_dir, workdir), capture_output=True, text=True, timeout=300,
-                               cwd=REPOSITORY, env=worker_environment())
+    completed = subprocess.run(
+        worker_command(data_dir, workdir),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPOSITORY,
+        env=worker_environment(),
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert epochs_reported(completed.stdout) == list(range(killed_at + 1, EPOCHS + 1))
     result = json.loads(next(line for line in completed.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -110,8 +131,13 @@ def test_epochs_checkpointed_but_not_reported_are_backfilled_once(data_dir, tmp_
     from cifar.train import train
 
     def config(epochs: int):
-        return make_config("default", {"train": {**CONFIG["train"], "epochs": epochs, "run_name": "backfill"},
-                                       "tracking": {"system_metrics": False}})
+        return make_config(
+            "default",
+            {
+                "train": {**CONFIG["train"], "epochs": epochs, "run_name": "backfill"},
+                "tracking": {"system_metrics": False},
+            },
+        )
 
     # The process dies after epoch 2's checkpoint but before MLflow hears about epoch 2.
     original = tracking.log_epoch_metrics

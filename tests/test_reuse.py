@@ -34,13 +34,16 @@ def test_data_key_follows_the_archive_content_and_the_shard_settings():
     assert data_key(config(data={"train_shards": 4}).data, SHA_A) != base
 
 
-@pytest.mark.parametrize("irrelevant", [
-    {"evaluate": {"batch_size": 100, "flip_tta": True}},
-    {"train": {"epochs": 9, "model": "tiny"}},
-    {"export": {"min_accuracy": 0.9}},
-    {"seed": 3},
-    {"data": {"source": "/elsewhere/same-bytes.tar.gz", "download_retries": 9, "expect_official_counts": False}},
-])
+@pytest.mark.parametrize(
+    "irrelevant",
+    [
+        {"evaluate": {"batch_size": 100, "flip_tta": True}},
+        {"train": {"epochs": 9, "model": "tiny"}},
+        {"export": {"min_accuracy": 0.9}},
+        {"seed": 3},
+        {"data": {"source": "/elsewhere/same-bytes.tar.gz", "download_retries": 9, "expect_official_counts": False}},
+    ],
+)
 def test_data_key_ignores_what_cannot_change_the_shards(irrelevant):
     assert data_key(config(**irrelevant).data, SHA_A) == data_key(config().data, SHA_A)
 
@@ -96,8 +99,17 @@ def versions() -> dict[str, str]:
 
 def test_every_module_a_stage_imports_is_part_of_its_code():
     training = reuse.module_closure("cifar.train")
-    for module in ("cifar.optimizers", "cifar.models", "cifar.layers", "cifar.callbacks", "cifar.checkpoints",
-                   "cifar.input_pipeline", "cifar.data.manifest", "cifar.config", "cifar"):
+    for module in (
+        "cifar.optimizers",
+        "cifar.models",
+        "cifar.layers",
+        "cifar.callbacks",
+        "cifar.checkpoints",
+        "cifar.input_pipeline",
+        "cifar.data.manifest",
+        "cifar.config",
+        "cifar",
+    ):
         assert module in training
     assert "cifar.data.convert" not in training
     assert "cifar.input_pipeline" in reuse.module_closure("cifar.evaluate")  # Imported inside a function.
@@ -136,8 +148,9 @@ def test_a_module_newly_imported_by_a_stage_joins_its_code(package_copy):
 
 def test_a_cached_result_the_library_would_not_reuse_is_expired(python_archive, tmp_path):
     store = ResultStore(result_storage=LocalFileSystem(basepath=str(tmp_path / "results")), serializer=JSONSerializer())
-    data = make_config("default", {"data": {"source": python_archive, "validation_size": 100,
-                                            "expect_official_counts": False}}).data
+    data = make_config(
+        "default", {"data": {"source": python_archive, "validation_size": 100, "expect_official_counts": False}}
+    ).data
     result = prepare_data(data, tmp_path / "workdir")
     store.write(obj=result, key="prepare-key")
 

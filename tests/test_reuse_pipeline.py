@@ -17,14 +17,26 @@ from pathlib import Path
 
 import mlflow
 import pytest
-
 from servers import REPO_ROOT, prefect_env
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["--preset", "smoke", "--set", "train.model=tiny", "--set", "train.epochs=1", "--set", "train.batch_size=100",
-         "--set", "data.validation_size=100", "--set", "data.expect_official_counts=false",
-         "--set", "tracking.system_metrics=false"]
+SMALL = [
+    "--preset",
+    "smoke",
+    "--set",
+    "train.model=tiny",
+    "--set",
+    "train.epochs=1",
+    "--set",
+    "train.batch_size=100",
+    "--set",
+    "data.validation_size=100",
+    "--set",
+    "data.expect_official_counts=false",
+    "--set",
+    "tracking.system_metrics=false",
+]
 
 
 @pytest.fixture
@@ -38,9 +50,15 @@ def project(tmp_path) -> Path:
 
 def run(project: Path, workdir: Path, archive: str, **env: str) -> subprocess.CompletedProcess:
     """One pipeline run in its own process group, as a terminal would start it."""
-    return subprocess.run([sys.executable, "flows/pipeline.py", "--source", archive, "--workdir", str(workdir), *SMALL],
-                          cwd=project, env=prefect_env(workdir.parent / "prefect-home", **env), capture_output=True,
-                          text=True, timeout=600, start_new_session=True)
+    return subprocess.run(
+        [sys.executable, "flows/pipeline.py", "--source", archive, "--workdir", str(workdir), *SMALL],
+        cwd=project,
+        env=prefect_env(workdir.parent / "prefect-home", **env),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        start_new_session=True,
+    )
 
 
 def summary_of(workdir: Path) -> dict:
@@ -50,8 +68,9 @@ def summary_of(workdir: Path) -> dict:
 def registry_versions(summary: dict) -> dict[int, str]:
     """Registered version -> the export directory it was registered from."""
     client = mlflow.MlflowClient(tracking_uri=summary["tracking_uri"], registry_uri=summary["tracking_uri"])
-    return {int(version.version): version.tags["export_dir"]
-            for version in client.search_model_versions("name = 'cifar10'")}
+    return {
+        int(version.version): version.tags["export_dir"] for version in client.search_model_versions("name = 'cifar10'")
+    }
 
 
 def export_dirs(workdir: Path) -> list[str]:
@@ -59,7 +78,8 @@ def export_dirs(workdir: Path) -> list[str]:
 
 
 def test_editing_the_optimizer_trains_a_new_run_while_an_unchanged_rerun_reuses_everything(
-        project, python_archive, tmp_path):
+    project, python_archive, tmp_path
+):
     workdir = tmp_path / "workdir"
     first = run(project, workdir, python_archive)
     assert first.returncode == 0, first.stderr[-4000:]
@@ -78,8 +98,14 @@ def test_editing_the_optimizer_trains_a_new_run_while_an_unchanged_rerun_reuses_
     assert unchanged.returncode == 0, unchanged.stderr[-4000:]
     again = summary_of(workdir)
     print(f"unchanged re-run: {seconds:.1f} s")  # Reported, not asserted (no timing assertions in tests).
-    assert again["task_states"] == {"download": "Completed", "prepare": "Cached", "train": "Cached",
-                                    "evaluate": "Cached", "export": "Cached", "register": "Cached"}
+    assert again["task_states"] == {
+        "download": "Completed",
+        "prepare": "Cached",
+        "train": "Cached",
+        "evaluate": "Cached",
+        "export": "Cached",
+        "register": "Cached",
+    }
     assert again["keys"] == before["keys"] and again["export_dir"] == before["export_dir"]
 
     with open(project / "cifar" / "optimizers.py", "a") as handle:
@@ -89,7 +115,11 @@ def test_editing_the_optimizer_trains_a_new_run_while_an_unchanged_rerun_reuses_
     after = summary_of(workdir)
     assert after["task_states"]["prepare"] == "Cached" and after["data_dir"] == before["data_dir"]
     assert {name: after["task_states"][name] for name in ("train", "evaluate", "export", "register")} == {
-        "train": "Completed", "evaluate": "Completed", "export": "Completed", "register": "Completed"}
+        "train": "Completed",
+        "evaluate": "Completed",
+        "export": "Completed",
+        "register": "Completed",
+    }
     assert after["run_name"] != before["run_name"] and after["mlflow_run_id"] != before["mlflow_run_id"]
     assert Path(after["checkpoint_dir"], "epoch-0001.keras").is_file()
     assert Path(before["checkpoint_dir"], "epoch-0001.keras").is_file()  # The old run is kept, not resumed.

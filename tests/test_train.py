@@ -47,8 +47,14 @@ def test_tiny_model_learns_checkpoints_and_logs_one_mlflow_run(data_dir, tmp_pat
     assert Path(result.run_dir) == tmp_path / "runs" / result.run_name
     assert result.run_name.startswith("tiny-")
     assert result.val_accuracy is not None and result.val_accuracy > 0.2  # Chance is 0.1.
-    assert set(result.metrics) >= {"loss", "accuracy", "val_loss", "val_accuracy", "learning_rate",
-                                   "examples_per_second"}
+    assert set(result.metrics) >= {
+        "loss",
+        "accuracy",
+        "val_loss",
+        "val_accuracy",
+        "learning_rate",
+        "examples_per_second",
+    }
     assert [entry["epoch"] for entry in progress] == [1, 2]
     assert all(entry["epochs"] == 2 for entry in progress)
 
@@ -121,8 +127,9 @@ def test_diverging_loss_stops_with_a_clear_error_and_no_checkpoint(data_dir, tmp
 
 
 def test_ema_checkpoints_hold_ema_weights_for_evaluation_and_raw_weights_for_resume(data_dir, tmp_path):
-    config = tiny_config(epochs=1, steps_per_epoch=6, ema_decay=0.9, label_smoothing=0.1, schedule="onecycle",
-                         warmup_epochs=0.5)
+    config = tiny_config(
+        epochs=1, steps_per_epoch=6, ema_decay=0.9, label_smoothing=0.1, schedule="onecycle", warmup_epochs=0.5
+    )
     result = train(config, data_dir, tmp_path)
     entry = load_index(result.checkpoint_dir).latest
     raw = keras.models.load_model(Path(result.checkpoint_dir) / entry.model_path, compile=False)
@@ -148,27 +155,34 @@ def test_default_run_name_is_stable_and_ignores_resume_and_run_name():
     assert name_of(tiny_config(epochs=3, resume=False, run_name="custom")) == name
     assert name_of(tiny_config(epochs=4)) != name
     assert name_of(base, "data-b") != name
-    assert name_of(make_config("default", {"seed": 1, "train": {**TINY, "epochs": 3},
-                                           "tracking": {"system_metrics": False}})) != name
+    assert (
+        name_of(
+            make_config("default", {"seed": 1, "train": {**TINY, "epochs": 3}, "tracking": {"system_metrics": False}})
+        )
+        != name
+    )
 
 
 def test_schedules_follow_their_recipes():
     steps, epochs = 10, 164
-    piecewise = schedules.make_schedule("piecewise", learning_rate=0.1, batch_size=256, steps_per_epoch=steps,
-                                        epochs=epochs)
+    piecewise = schedules.make_schedule(
+        "piecewise", learning_rate=0.1, batch_size=256, steps_per_epoch=steps, epochs=epochs
+    )
     peak = 0.2  # Linear scaling: 0.1 at batch 128 -> 0.2 at batch 256.
     for epoch, multiplier in [(0, 1.0), (81, 1.0), (82, 0.1), (122, 0.1), (123, 0.01), (150, 0.002), (163, 0.002)]:
         assert math.isclose(float(piecewise(epoch * steps)), peak * multiplier, rel_tol=1e-5), epoch
 
-    cosine = schedules.make_schedule("cosine", learning_rate=0.1, batch_size=128, steps_per_epoch=10, epochs=10,
-                                     warmup_epochs=1)
+    cosine = schedules.make_schedule(
+        "cosine", learning_rate=0.1, batch_size=128, steps_per_epoch=10, epochs=10, warmup_epochs=1
+    )
     assert float(cosine(0)) == pytest.approx(0.01)  # First warm-up step.
     assert float(cosine(10)) == pytest.approx(0.1)
     assert float(cosine(55)) == pytest.approx(0.05)
     assert float(cosine(100)) == pytest.approx(0.0, abs=1e-7)
 
-    onecycle = schedules.make_schedule("onecycle", learning_rate=0.4, batch_size=512, steps_per_epoch=10,
-                                       epochs=10, warmup_epochs=2)
+    onecycle = schedules.make_schedule(
+        "onecycle", learning_rate=0.4, batch_size=512, steps_per_epoch=10, epochs=10, warmup_epochs=2
+    )
     values = [float(onecycle(step)) for step in range(100)]
     assert max(values) == pytest.approx(1.6)  # 0.4 * 512 / 128.
     assert int(np.argmax(values)) == 19
@@ -204,8 +218,13 @@ def test_index_keeps_the_last_k_and_the_best_by_validation_accuracy():
 
 
 def test_training_curves_plot_is_written(tmp_path):
-    history = {"epoch": [1, 2, 3], "loss": [2.0, 1.5, 1.2], "val_loss": [2.1, 1.6, 1.4],
-               "accuracy": [0.2, 0.4, 0.5], "learning_rate": [0.1, 0.1, 0.01]}
+    history = {
+        "epoch": [1, 2, 3],
+        "loss": [2.0, 1.5, 1.2],
+        "val_loss": [2.1, 1.6, 1.4],
+        "accuracy": [0.2, 0.4, 0.5],
+        "learning_rate": [0.1, 0.1, 0.01],
+    }
     path = plot_training_curves(history, tmp_path / "plots" / "curves.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

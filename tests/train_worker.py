@@ -55,8 +55,14 @@ def main() -> None:
     # What one step's global batch looks like on each replica under this process's strategy.
     plan = distribute.plan_devices(config.train)
     strategy = tf.distribute.get_strategy() if plan.cluster else distribute.create_strategy(plan)
-    dataset = make_train_dataset(arguments.data_dir, splits=["train"], batch_size=config.train.batch_size,
-                                 image_size=32, seed=0, deterministic=True)
+    dataset = make_train_dataset(
+        arguments.data_dir,
+        splits=["train"],
+        batch_size=config.train.batch_size,
+        image_size=32,
+        seed=0,
+        deterministic=True,
+    )
     replica_batches = []
     if plan.cluster is None:
         images, _ = next(iter(strategy.experimental_distribute_dataset(dataset)))
@@ -71,8 +77,13 @@ def main() -> None:
     if plan.is_chief and latest is not None:
         saved = keras.models.load_model(Path(result.checkpoint_dir) / latest.model_path)
         optimizer_steps = int(saved.optimizer.iterations.numpy())
-    report = {**result.model_dump(), "optimizer_steps": optimizer_steps, "num_replicas": plan.num_replicas, "replica_batches": replica_batches,
-              "is_chief": plan.is_chief}
+    report = {
+        **result.model_dump(),
+        "optimizer_steps": optimizer_steps,
+        "num_replicas": plan.num_replicas,
+        "replica_batches": replica_batches,
+        "is_chief": plan.is_chief,
+    }
     print("RESULT", json.dumps(report), flush=True)
 
 

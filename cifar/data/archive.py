@@ -32,9 +32,10 @@ import shutil
 import tarfile
 import threading
 import zlib
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -121,13 +122,15 @@ def check_member(member: tarfile.TarInfo, total_bytes: int = 0) -> None:
     if member.issym() or member.islnk():
         raise UnsafeArchiveError(f"archive member {name!r} is a link to {member.linkname!r}; links are not allowed")
     if not (member.isfile() or member.isdir()):
-        raise UnsafeArchiveError(f"archive member {name!r} is a {_member_kind(member)}; only files and directories are allowed")
-    if member.size > MAX_MEMBER_BYTES:
-        raise UnsafeArchiveError(f"archive member {name!r} is {member.size:,} bytes, over the {MAX_MEMBER_BYTES:,} byte limit")
-    if total_bytes + member.size > MAX_TOTAL_BYTES:
         raise UnsafeArchiveError(
-            f"archive member {name!r} takes the archive over {MAX_TOTAL_BYTES:,} unpacked bytes"
+            f"archive member {name!r} is a {_member_kind(member)}; only files and directories are allowed"
         )
+    if member.size > MAX_MEMBER_BYTES:
+        raise UnsafeArchiveError(
+            f"archive member {name!r} is {member.size:,} bytes, over the {MAX_MEMBER_BYTES:,} byte limit"
+        )
+    if total_bytes + member.size > MAX_TOTAL_BYTES:
+        raise UnsafeArchiveError(f"archive member {name!r} takes the archive over {MAX_TOTAL_BYTES:,} unpacked bytes")
 
 
 def _member_kind(member: tarfile.TarInfo) -> str:
@@ -148,8 +151,10 @@ def _open_tar_stream(archive_path: Path) -> Iterator[tarfile.TarFile]:
         is_gzip = raw.read(2) == GZIP_MAGIC
         raw.seek(0)
         if is_gzip and igzip is not None:
-            with igzip.IGzipFile(fileobj=raw, mode="rb") as stream, \
-                    tarfile.open(fileobj=stream, mode="r|", bufsize=STREAM_BUFFER_BYTES) as archive:
+            with (
+                igzip.IGzipFile(fileobj=raw, mode="rb") as stream,
+                tarfile.open(fileobj=stream, mode="r|", bufsize=STREAM_BUFFER_BYTES) as archive,
+            ):
                 yield archive
         else:
             # "r|*" decompresses once, front to back, and accepts gzip, bzip2, xz or a plain tar.
@@ -157,9 +162,12 @@ def _open_tar_stream(archive_path: Path) -> Iterator[tarfile.TarFile]:
                 yield archive
 
 
-def _scan_archive(archive_path: str | Path, on_file: Callable[[tarfile.TarInfo, io.BufferedReader], None],
-                  on_directory: Callable[[tarfile.TarInfo], None] = lambda member: None,
-                  stop: threading.Event | None = None) -> None:
+def _scan_archive(
+    archive_path: str | Path,
+    on_file: Callable[[tarfile.TarInfo, io.BufferedReader], None],
+    on_directory: Callable[[tarfile.TarInfo], None] = lambda member: None,
+    stop: threading.Event | None = None,
+) -> None:
     """Streams the archive once, checking every member before handing its bytes to the callbacks."""
     archive_path = Path(archive_path)
     if not archive_path.is_file():
@@ -342,7 +350,7 @@ def rows_to_images(batches: list[np.ndarray]) -> np.ndarray:
         # One channel at a time: a contiguous read and a stride-3 write is about twice as fast as
         # numpy's general 4-D transpose copy.
         for channel in range(3):
-            images[start:start + len(rows), :, channel] = planes[:, channel, :]
+            images[start : start + len(rows), :, channel] = planes[:, channel, :]
         start += len(rows)
     return images.reshape(total, 32, 32, 3)
 
@@ -353,8 +361,11 @@ def _needed_files(layout: str) -> list[str]:
 
 def detect_layout(names: list[str] | set[str]) -> str:
     """The layout whose directory holds files among `names` (paths like 'cifar-10-batches-py/test_batch')."""
-    found = [layout for layout, directory in LAYOUT_DIRECTORIES.items()
-             if any(PurePosixPath(name).parts[:1] == (directory,) for name in names)]
+    found = [
+        layout
+        for layout, directory in LAYOUT_DIRECTORIES.items()
+        if any(PurePosixPath(name).parts[:1] == (directory,) for name in names)
+    ]
     if not found:
         raise UnknownLayoutError(
             "archive holds neither official CIFAR-10 layout: expected a folder "
@@ -391,8 +402,7 @@ def _wanted(name: str) -> bool:
     """Whether a member is one of the files either layout reads (others are checked, then skipped)."""
     parts = PurePosixPath(name).parts
     return len(parts) == 2 and any(
-        parts[0] == directory and parts[1] in _needed_files(layout)
-        for layout, directory in LAYOUT_DIRECTORIES.items()
+        parts[0] == directory and parts[1] in _needed_files(layout) for layout, directory in LAYOUT_DIRECTORIES.items()
     )
 
 
@@ -416,11 +426,17 @@ def read_archive(archive_path: str | Path, *, stop: threading.Event | None = Non
 def read_directory(directory: str | Path) -> RawDataset:
     """Reads an extracted archive (the folder holding `cifar-10-batches-py/` or `cifar-10-batches-bin/`)."""
     directory = Path(directory)
-    present = {f"{folder}/{name}" for layout, folder in LAYOUT_DIRECTORIES.items()
-               for name in _needed_files(layout) if (directory / folder / name).is_file()}
+    present = {
+        f"{folder}/{name}"
+        for layout, folder in LAYOUT_DIRECTORIES.items()
+        for name in _needed_files(layout)
+        if (directory / folder / name).is_file()
+    }
     layout = detect_layout(present)
     folder = LAYOUT_DIRECTORIES[layout]
-    files = {f"{folder}/{name}": (directory / folder / name).read_bytes()
-             for name in _needed_files(layout) if (directory / folder / name).is_file()}
+    files = {
+        f"{folder}/{name}": (directory / folder / name).read_bytes()
+        for name in _needed_files(layout)
+        if (directory / folder / name).is_file()
+    }
     return parse_layout(files, layout)
-

@@ -21,9 +21,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 import google_crc32c
 import numpy as np
@@ -68,7 +68,7 @@ def _example_template() -> tuple[bytes, bytes]:
     example = _field(1, _field(1, image_entry) + _field(1, label_entry))
     pixels_at = example.index(marker)
     # The label's varint is the very last byte of the serialized proto.
-    return example[:pixels_at], example[pixels_at + IMAGE_BYTES:-1]
+    return example[:pixels_at], example[pixels_at + IMAGE_BYTES : -1]
 
 
 PREFIX, MIDDLE = _example_template()
@@ -104,7 +104,7 @@ def encode_records(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
     framed[:, image_start:middle_start] = images.reshape(len(images), IMAGE_BYTES)
     framed[:, middle_start:-5] = np.frombuffer(MIDDLE, dtype=np.uint8)
     framed[:, -5] = labels
-    examples = framed[:, len(RECORD_HEADER):-4]  # (N, RECORD_BYTES) view; each row is contiguous.
+    examples = framed[:, len(RECORD_HEADER) : -4]  # (N, RECORD_BYTES) view; each row is contiguous.
     crcs = np.fromiter((masked_crc32c(example) for example in examples), dtype="<u4", count=len(examples))
     framed[:, -4:] = crcs.view(np.uint8).reshape(-1, 4)
     return framed
@@ -112,7 +112,7 @@ def encode_records(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 def encode_examples(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Serialized `tf.train.Example` protos without the TFRecord framing: uint8 (N, RECORD_BYTES)."""
-    return encode_records(images, labels)[:, len(RECORD_HEADER):-4]
+    return encode_records(images, labels)[:, len(RECORD_HEADER) : -4]
 
 
 def shard_bounds(num_examples: int, num_shards: int) -> list[tuple[int, int]]:
@@ -132,9 +132,7 @@ def shard_name(split: str, index: int, count: int) -> str:
 def split_dataset(dataset: RawDataset, validation_size: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """(images, labels) per split: train = first N - validation_size, validation = the rest, test."""
     if not 0 <= validation_size < len(dataset.train_images):
-        raise ValueError(
-            f"validation_size must be in 0..{len(dataset.train_images) - 1}, got {validation_size}"
-        )
+        raise ValueError(f"validation_size must be in 0..{len(dataset.train_images) - 1}, got {validation_size}")
     cut = len(dataset.train_images) - validation_size
     return {
         "train": (dataset.train_images[:cut], dataset.train_labels[:cut]),
@@ -154,16 +152,15 @@ def write_shard(path: Path, records: np.ndarray) -> Shard:
     with open(path, "wb") as handle:
         handle.write(records.data)
     return Shard(
-        path=path.name, sha256=hashlib.sha256(records.data).hexdigest(), num_examples=len(records),
+        path=path.name,
+        sha256=hashlib.sha256(records.data).hexdigest(),
+        num_examples=len(records),
         num_bytes=records.nbytes,
     )
 
 
 def convert_dataset(
-    dataset: RawDataset,
-    config: DataConfig,
-    output_dir: str | Path,
-    on_shard: ShardCallback | None = None,
+    dataset: RawDataset, config: DataConfig, output_dir: str | Path, on_shard: ShardCallback | None = None
 ) -> dict[str, Split]:
     """Writes every split's shards into `output_dir` and returns the manifest's split entries."""
     output_dir = Path(output_dir)

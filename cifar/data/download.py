@@ -34,8 +34,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from cifar.config import OFFICIAL_MD5_BY_URL
 from cifar.io import file_digests, normalise_digest
@@ -173,7 +173,9 @@ def _verify_local(source: str, expected: dict[str, str]) -> ArchiveInfo:
     if not expected:
         logger.warning(
             "No checksum given for local archive %s: accepting it unverified (sha256 %s, md5 %s)",
-            path, digests["sha256"], digests["md5"],
+            path,
+            digests["sha256"],
+            digests["md5"],
         )
     return ArchiveInfo(path=str(path), sha256=digests["sha256"], md5=digests["md5"], source=source)
 
@@ -318,9 +320,11 @@ class _Transfer:
                 raise DownloadError(f"download of {self.url} failed: {reason}") from error
             if isinstance(reason, socket.gaierror):
                 # Neither will a host name that does not resolve (a typo, or no network at all).
-                raise DownloadError(f"download of {self.url} failed: host {urllib.parse.urlsplit(self.url).hostname!r} "
-                                    f"not found ({reason.strerror}); check the URL and the network, or pass a "
-                                    "local copy as the source") from error
+                raise DownloadError(
+                    f"download of {self.url} failed: host {urllib.parse.urlsplit(self.url).hostname!r} "
+                    f"not found ({reason.strerror}); check the URL and the network, or pass a "
+                    "local copy as the source"
+                ) from error
             # Connection refused or reset, timeout, truncated body: all worth a retry.
             # Local file errors (a full disk) are plain OSErrors and propagate unchanged.
             raise _RetryableError(f"{type(error).__name__}: {reason}") from error

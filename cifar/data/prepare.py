@@ -16,9 +16,9 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
 
 from cifar.config import DataConfig, resolve_workdir
 from cifar.data.archive import RawDataset, read_archive
@@ -95,8 +95,12 @@ def prepare_data(
     report("read", 0.0)
     logger.info("Reading %s", archive.path)
     dataset = read_archive(archive.path)
-    logger.info("Read %s layout: %d training and %d test images",
-                dataset.layout, len(dataset.train_images), len(dataset.test_images))
+    logger.info(
+        "Read %s layout: %d training and %d test images",
+        dataset.layout,
+        len(dataset.train_images),
+        len(dataset.test_images),
+    )
     try:
         with atomic_directory(data_dir) as temp:
             manifest = _build(temp, dataset, archive, config, key, report)
@@ -122,16 +126,21 @@ def _fetch(config: DataConfig, workdir: Path, report: _Progress) -> ArchiveInfo:
             report("fetch", done / total)
 
     archive = fetch_archive(
-        config.source, downloads_dir(workdir), sha256=config.sha256, md5=config.expected_md5(),
-        retries=config.download_retries, progress=on_bytes,
+        config.source,
+        downloads_dir(workdir),
+        sha256=config.sha256,
+        md5=config.expected_md5(),
+        retries=config.download_retries,
+        progress=on_bytes,
     )
     logger.info("Archive %s verified (sha256 %s)", archive.path, archive.sha256)
     report("fetch", 1.0)
     return archive
 
 
-def _build(output_dir: Path, dataset: RawDataset, archive: ArchiveInfo, config: DataConfig, key: str,
-           report: _Progress) -> Manifest:
+def _build(
+    output_dir: Path, dataset: RawDataset, archive: ArchiveInfo, config: DataConfig, key: str, report: _Progress
+) -> Manifest:
     """Validates, converts and summarises the dataset into `output_dir`; returns the manifest."""
     report("validate", 0.0)
     validate_dataset(dataset, config)
@@ -176,8 +185,11 @@ def _build(output_dir: Path, dataset: RawDataset, archive: ArchiveInfo, config: 
 def _shard_plan(dataset: RawDataset, config: DataConfig) -> list[tuple[int, int]]:
     """(requested shards, examples) per split, to count the shards before writing them."""
     num_train = len(dataset.train_images) - config.validation_size
-    return [(config.train_shards, num_train), (config.validation_shards, config.validation_size),
-            (config.test_shards, len(dataset.test_images))]
+    return [
+        (config.train_shards, num_train),
+        (config.validation_shards, config.validation_size),
+        (config.test_shards, len(dataset.test_images)),
+    ]
 
 
 def _rounded(values: list[float]) -> list[float]:
@@ -232,7 +244,9 @@ def _check_shard(data_dir: Path, shard: Shard, check_digests: bool) -> None:
     if check_digests:
         actual = file_digest(path)
         if actual != shard.sha256:
-            raise IncompleteDataError(f"{data_dir}: shard {shard.path} has sha256 {actual}, manifest says {shard.sha256}")
+            raise IncompleteDataError(
+                f"{data_dir}: shard {shard.path} has sha256 {actual}, manifest says {shard.sha256}"
+            )
 
 
 def verify_data_dir(data_dir: str | Path) -> None:

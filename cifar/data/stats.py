@@ -39,7 +39,7 @@ def _channel_sums(pixels: np.ndarray) -> tuple[list[int], list[int]]:
     """Exact per-channel sums of x and x^2 over (P, 3) uint8 pixels, in chunks that stay in cache."""
     totals, squares = [0, 0, 0], [0, 0, 0]
     for start in range(0, len(pixels), SUM_CHUNK_PIXELS):
-        chunk = pixels[start:start + SUM_CHUNK_PIXELS]
+        chunk = pixels[start : start + SUM_CHUNK_PIXELS]
         for channel in range(3):
             plane = np.ascontiguousarray(chunk[:, channel])
             totals[channel] += int(plane.sum(dtype=np.uint64))
@@ -50,13 +50,15 @@ def _channel_sums(pixels: np.ndarray) -> tuple[list[int], list[int]]:
 
 def write_statistics(output_dir: str | Path, mean: list[float], std: list[float], num_examples: int) -> Path:
     """Writes statistics.parquet: one row per channel (split, channel, mean, std, num_examples)."""
-    table = pa.table({
-        "split": pa.array(["train"] * len(CHANNELS), pa.string()),
-        "channel": pa.array(list(CHANNELS), pa.string()),
-        "mean": pa.array(mean, pa.float64()),
-        "std": pa.array(std, pa.float64()),
-        "num_examples": pa.array([num_examples] * len(CHANNELS), pa.int64()),
-    })
+    table = pa.table(
+        {
+            "split": pa.array(["train"] * len(CHANNELS), pa.string()),
+            "channel": pa.array(list(CHANNELS), pa.string()),
+            "mean": pa.array(mean, pa.float64()),
+            "std": pa.array(std, pa.float64()),
+            "num_examples": pa.array([num_examples] * len(CHANNELS), pa.int64()),
+        }
+    )
     path = Path(output_dir) / STATISTICS_FILE
     pq.write_table(table, path)
     return path
@@ -64,14 +66,19 @@ def write_statistics(output_dir: str | Path, mean: list[float], std: list[float]
 
 def write_class_histogram(output_dir: str | Path, splits: dict[str, Split], class_names: list[str]) -> Path:
     """Writes class_histogram.parquet: one row per (split, class) with the example count."""
-    rows = [(split, class_id, class_names[class_id], count)
-            for split, entry in splits.items() for class_id, count in enumerate(entry.class_counts)]
-    table = pa.table({
-        "split": pa.array([row[0] for row in rows], pa.string()),
-        "class_id": pa.array([row[1] for row in rows], pa.int64()),
-        "class_name": pa.array([row[2] for row in rows], pa.string()),
-        "count": pa.array([row[3] for row in rows], pa.int64()),
-    })
+    rows = [
+        (split, class_id, class_names[class_id], count)
+        for split, entry in splits.items()
+        for class_id, count in enumerate(entry.class_counts)
+    ]
+    table = pa.table(
+        {
+            "split": pa.array([row[0] for row in rows], pa.string()),
+            "class_id": pa.array([row[1] for row in rows], pa.int64()),
+            "class_name": pa.array([row[2] for row in rows], pa.string()),
+            "count": pa.array([row[3] for row in rows], pa.int64()),
+        }
+    )
     path = Path(output_dir) / CLASS_HISTOGRAM_FILE
     pq.write_table(table, path)
     return path

@@ -85,12 +85,7 @@ def _write_gzip_tar(path: Path, files: dict[str, bytes]) -> Path:
 
 
 def build_archive(
-    path: str | Path,
-    *,
-    train_per_batch: int = 100,
-    test_examples: int = 200,
-    layout: str = "python",
-    seed: int = 0,
+    path: str | Path, *, train_per_batch: int = 100, test_examples: int = 200, layout: str = "python", seed: int = 0
 ) -> Path:
     """Writes a gzipped tar in the official `python` or `binary` layout and returns its path."""
     if layout not in {"python", "binary"}:
@@ -107,8 +102,11 @@ def build_archive(
             files[f"{BINARY_DIR}/data_batch_{batch + 1}.bin"] = _binary_batch(train_images[part], train_labels[part])
     if layout == "python":
         files[f"{PYTHON_DIR}/test_batch"] = _python_batch(test_images, test_labels, "test_batch")
-        meta = {b"num_cases_per_batch": train_per_batch, b"label_names": [n.encode() for n in CLASS_NAMES],
-                b"num_vis": IMAGE_BYTES}
+        meta = {
+            b"num_cases_per_batch": train_per_batch,
+            b"label_names": [n.encode() for n in CLASS_NAMES],
+            b"num_vis": IMAGE_BYTES,
+        }
         files[f"{PYTHON_DIR}/batches.meta"] = pickle.dumps(meta, protocol=2)
         files[f"{PYTHON_DIR}/readme.html"] = b"<html>synthetic CIFAR-10 fixture</html>\n"
     else:

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from cifar.data.archive import RawDataset
 
 
-
 class InvalidDatasetError(ValueError):
     """The archive's contents are not a well-formed CIFAR-10 dataset."""
 
