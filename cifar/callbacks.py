@@ -32,6 +32,7 @@ from cifar.checkpoints import (
 from cifar.io import atomic_write_json
 
 NAN_CHECK_EVERY = 20  # Batches between divergence checks inside an epoch (each check syncs the device).
+LOOKAHEAD_BASE_DECAY = 0.95  # airbench94's lookahead decay per step (`Lookahead`).
 
 
 class TrainingDivergedError(RuntimeError):
@@ -75,7 +76,6 @@ class EpochStatistics(keras.callbacks.Callback):
         now = time.perf_counter()
         if self._start is None:
             self._start = now
-            self._first_step_end = now
         else:
             self._steps += 1
             self._end = now
@@ -87,7 +87,7 @@ class EpochStatistics(keras.callbacks.Callback):
             logs["examples_per_second"] = self._steps * self.global_batch_size / (self._end - self._start)
         elif self._start is not None:
             # A one-step epoch: only the whole step (tracing included) can be timed.
-            logs["examples_per_second"] = self.global_batch_size / max(self._first_step_end - self._epoch_start, 1e-9)
+            logs["examples_per_second"] = self.global_batch_size / max(self._start - self._epoch_start, 1e-9)
         logs["learning_rate"] = current_learning_rate(self.model.optimizer)
 
 
@@ -121,22 +121,14 @@ class Lookahead(keras.callbacks.Callback):
 
     From `start_fraction` of the run on (airbench: epoch 3 of 9.9), at every optimizer step k that
     is a multiple of `every` the slow copy becomes `decay * slow + (1 - decay) * weights` with
-    `decay = base_decay**every * (k / total_steps)**3`, and the weights are set to it: little
+    `decay = LOOKAHEAD_BASE_DECAY**every * (k / total_steps)**3`, and the weights are set to it: little
     averaging at first, strong averaging (decay ~0.77) of the noisy last steps. After the last step
     of every epoch the weights are set to the slow copy, so every checkpoint (and the final model)
     holds the slow weights and a resumed run restarts the slow copy exactly. Every float weight
     takes part, batch-norm statistics included.
     """
 
-    def __init__(
-        self,
-        every: int,
-        steps_per_epoch: int,
-        total_steps: int,
-        *,
-        start_fraction: float = 0.3,
-        base_decay: float = 0.95,
-    ):
+    def __init__(self, every: int, steps_per_epoch: int, total_steps: int, *, start_fraction: float = 0.3):
         super().__init__()
         if every < 1 or steps_per_epoch < 1 or total_steps < 1:
             raise ValueError(
@@ -146,7 +138,6 @@ class Lookahead(keras.callbacks.Callback):
         self.steps_per_epoch = int(steps_per_epoch)
         self.total_steps = int(total_steps)
         self.start_step = int(round(start_fraction * total_steps))
-        self.base_decay = float(base_decay)
         self._slow: list = []
         self._weights: list = []
         self._started = False
@@ -155,7 +146,7 @@ class Lookahead(keras.callbacks.Callback):
         """The slow copy's decay at optimizer step `step` (0 before the start: it copies the weights)."""
         if step < self.start_step:
             return 0.0
-        return self.base_decay**self.every * (step / self.total_steps) ** 3
+        return LOOKAHEAD_BASE_DECAY**self.every * (step / self.total_steps) ** 3
 
     def on_train_begin(self, logs=None):
         import tensorflow as tf
@@ -186,8 +177,7 @@ class Lookahead(keras.callbacks.Callback):
 @contextlib.contextmanager
 def ema_weights(model: keras.Model):
     """Temporarily puts the optimizer's EMA weights into the model (no-op without EMA)."""
-    optimizer = model.optimizer
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # Unwrap a LossScaleOptimizer.
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # Unwrap a LossScaleOptimizer.
     found = compat.ema_variables(optimizer)
     if found is None:
         yield

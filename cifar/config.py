@@ -212,20 +212,14 @@ class PipelineConfig(Section):
         return flat
 
 
-# Presets override only what differs from the defaults above.
+# Presets override only what differs from the defaults above. (A table: kept dense, one recipe a block.)
+# fmt: off
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     # A few minutes on 2 CPU cores: proves every stage end to end, not accuracy.
     "smoke": {
-        "train": {
-            "model": "tutorial",
-            "epochs": 2,
-            "steps_per_epoch": 60,
-            "batch_size": 128,
-            "schedule": "constant",
-            "learning_rate": 0.05,
-            "keep_checkpoints": 2,
-        },
+        "train": {"model": "tutorial", "epochs": 2, "steps_per_epoch": 60, "batch_size": 128,
+                  "schedule": "constant", "learning_rate": 0.05, "keep_checkpoints": 2},
         "evaluate": {"flip_tta": False},
     },
     # The estimator's ResNet recipe: 0.1 at batch 128, x0.1/x0.01/x0.002 at epochs 82/123/300 of ~170.
@@ -239,32 +233,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     # preset trains 16, warming up over 23% of them.
     "fast": {
         "data": {"validation_size": 0},
-        "train": {
-            "model": "fast",
-            "epochs": 16,
-            "batch_size": 1024,
-            "schedule": "onecycle",
-            "learning_rate": 0.1875,
-            "momentum": 0.85,
-            "nesterov": True,
-            "warmup_epochs": 3.68,
-            "warmup_initial_factor": 0.2,
-            "final_learning_rate_factor": 0.07,
-            "weight_decay": 1.33e-3,
-            "decay_biases": True,
-            "bias_learning_rate_multiplier": 64.0,
-            "label_smoothing": 0.2,
-            "lookahead_steps": 5,
-            "whitening_bias_epochs": 3.0,
-            "crop_padding": 2,
-            "padding_mode": "reflect",
-            "flip": "alternating",
-            "shuffle_buffer": 50_000,
-            "use_all_training_data": True,
-        },
+        "train": {"model": "fast", "epochs": 16, "batch_size": 1024, "schedule": "onecycle",
+                  "learning_rate": 0.1875, "momentum": 0.85, "nesterov": True,
+                  "warmup_epochs": 3.68, "warmup_initial_factor": 0.2, "final_learning_rate_factor": 0.07,
+                  "weight_decay": 1.33e-3, "decay_biases": True, "bias_learning_rate_multiplier": 64.0,
+                  "label_smoothing": 0.2, "lookahead_steps": 5, "whitening_bias_epochs": 3.0,
+                  "crop_padding": 2, "padding_mode": "reflect", "flip": "alternating",
+                  "shuffle_buffer": 50_000, "use_all_training_data": True},
         "evaluate": {"checkpoints": "best", "flip_tta": True, "translate_tta": True},
     },
 }
+# fmt: on
 
 
 def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

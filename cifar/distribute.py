@@ -122,22 +122,16 @@ def plan_devices(train: TrainConfig, *, tf_config: str | None = None) -> DeviceP
     return plan
 
 
-def _restrict_visible_gpus(gpu_ids: tuple[int, ...]) -> None:
-    """Hides unselected GPUs from a multi-worker process (its strategy uses every visible device)."""
-    physical = tf.config.list_physical_devices("GPU")
-    if not physical:
-        return
-    try:
-        tf.config.set_visible_devices([physical[index] for index in gpu_ids], "GPU")
-    except RuntimeError:
-        # The runtime is already initialized (e.g. the caller ran TF ops first): keep what is visible.
-        pass
-
-
 def create_strategy(plan: DevicePlan) -> tf.distribute.Strategy:
     """The strategy for a plan: one device, Mirrored over local devices, or MultiWorkerMirrored."""
     if plan.cluster is not None:
-        _restrict_visible_gpus(plan.gpu_ids)
+        # Hide unselected GPUs: the multi-worker strategy uses every visible device.
+        physical = tf.config.list_physical_devices("GPU")
+        if physical:
+            try:
+                tf.config.set_visible_devices([physical[index] for index in plan.gpu_ids], "GPU")
+            except RuntimeError:
+                pass  # The runtime is already initialized (e.g. the caller ran TF ops first): keep what is visible.
         compat.patch_multi_worker_reduce()
         return tf.distribute.MultiWorkerMirroredStrategy()
     if len(plan.devices) == 1:

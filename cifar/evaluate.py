@@ -79,9 +79,8 @@ def predict_logits(model, images: np.ndarray, batch_size: int, *, flip: bool = F
             batch = tf.reverse(batch, axis=[2])  # Horizontal flip: reverse the width axis.
         return tf.cast(model(batch, training=False), tf.float32)
 
-    outputs = [
-        forward(tf.constant(images[start : start + batch_size])).numpy() for start in range(0, len(images), batch_size)
-    ]
+    batches = (images[start : start + batch_size] for start in range(0, len(images), batch_size))
+    outputs = [forward(tf.constant(batch)).numpy() for batch in batches]
     return np.concatenate(outputs) if outputs else np.zeros((0, NUM_CLASSES), np.float32)
 
 
@@ -144,11 +143,9 @@ def per_class_metrics(matrix: np.ndarray, class_names: Sequence[str]) -> dict[st
     the usual CIFAR-10 "accuracy of class X". Undefined ratios (no support) are reported as 0.
     """
     true_positives = np.diag(matrix).astype(np.float64)
-    predicted_counts = matrix.sum(axis=0).astype(np.float64)
+    predicted = matrix.sum(axis=0).astype(np.float64)
     support = matrix.sum(axis=1).astype(np.float64)
-    precision = np.divide(
-        true_positives, predicted_counts, out=np.zeros_like(true_positives), where=predicted_counts > 0
-    )
+    precision = np.divide(true_positives, predicted, out=np.zeros_like(true_positives), where=predicted > 0)
     recall = np.divide(true_positives, support, out=np.zeros_like(true_positives), where=support > 0)
     return {
         name: {
@@ -280,21 +277,9 @@ def evaluate(
     best_outcome: dict[str, Any] | None = None
     for entry in entries:
         is_chosen = entry.epoch == chosen.epoch
-        outcome = evaluate_checkpoint(
-            checkpoint_dir,
-            entry,
-            images,
-            labels,
-            batch_size=settings.batch_size,
-            flip_tta=settings.flip_tta and is_chosen,
-            translate_tta=settings.translate_tta and is_chosen,
-        )
-        row = {
-            "epoch": entry.epoch,
-            "accuracy": outcome["accuracy"],
-            "loss": outcome["loss"],
-            "correct": outcome["correct"],
-        }
+        tta = {"flip_tta": settings.flip_tta and is_chosen, "translate_tta": settings.translate_tta and is_chosen}
+        outcome = evaluate_checkpoint(checkpoint_dir, entry, images, labels, batch_size=settings.batch_size, **tta)
+        row = {"epoch": entry.epoch, **{key: outcome[key] for key in ("accuracy", "loss", "correct")}}
         if "val_accuracy" in entry.metrics:
             row["val_accuracy"] = entry.metrics["val_accuracy"]
         per_checkpoint.append(row)
@@ -322,33 +307,23 @@ def evaluate(
     }
 
     metrics_path = atomic_write_json(output_dir / METRICS_NAME, metrics)
-    predictions_path = atomic_write_bytes(
-        output_dir / PREDICTIONS_NAME,
-        predictions_table_bytes(labels, probabilities, best_outcome["flip_probabilities"]),
-    )
-    confusion_path = atomic_write_bytes(
-        output_dir / CONFUSION_MATRIX_NAME,
-        plots.confusion_matrix_png(matrix, manifest.class_names, title=f"Test confusion matrix (epoch {chosen.epoch})"),
-    )
+    table = predictions_table_bytes(labels, probabilities, best_outcome["flip_probabilities"])
+    predictions_path = atomic_write_bytes(output_dir / PREDICTIONS_NAME, table)
+    title = f"Test confusion matrix (epoch {chosen.epoch})"
+    confusion_png = plots.confusion_matrix_png(matrix, manifest.class_names, title=title)
+    confusion_path = atomic_write_bytes(output_dir / CONFUSION_MATRIX_NAME, confusion_png)
     wrong = np.flatnonzero(predictions != labels)[: settings.misclassified_examples]
-    misclassified_path = atomic_write_bytes(
-        output_dir / MISCLASSIFIED_NAME,
-        plots.misclassified_grid_png(images[wrong], labels[wrong], predictions[wrong], manifest.class_names),
-    )
+    grid = plots.misclassified_grid_png(images[wrong], labels[wrong], predictions[wrong], manifest.class_names)
+    misclassified_path = atomic_write_bytes(output_dir / MISCLASSIFIED_NAME, grid)
 
     if mlflow_run_id:
         tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
         log_to_mlflow(tracking_uri, mlflow_run_id, chosen.epoch, metrics, per_checkpoint, output_dir)
 
+    summary = ("epoch", "test_accuracy", "test_loss", "flip_tta_accuracy", "tta_accuracy", "num_examples", "correct")
     result = EvaluationResult(
         key=key,
-        epoch=chosen.epoch,
-        test_accuracy=metrics["test_accuracy"],
-        test_loss=metrics["test_loss"],
-        flip_tta_accuracy=metrics["flip_tta_accuracy"],
-        tta_accuracy=metrics["tta_accuracy"],
-        num_examples=metrics["num_examples"],
-        correct=metrics["correct"],
+        **{name: metrics[name] for name in summary},
         metrics_path=str(metrics_path),
         predictions_path=str(predictions_path),
         confusion_matrix_plot=str(confusion_path),

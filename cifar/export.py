@@ -112,18 +112,10 @@ def saved_model_cli_show(export_dir: str | Path) -> str:
     command = (
         [str(executable)] if executable.exists() else [sys.executable, "-m", "tensorflow.python.tools.saved_model_cli"]
     )
-    environment = {
-        **os.environ,
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-        "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-    }
-    result = subprocess.run(
-        [*command, "show", "--dir", str(export_dir), "--all"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=environment,
-    )
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    environment.setdefault("CUDA_VISIBLE_DEVICES", "")
+    arguments = [*command, "show", "--dir", str(export_dir), "--all"]
+    result = subprocess.run(arguments, capture_output=True, text=True, timeout=600, env=environment)
     if result.returncode != 0:
         raise ExportVerificationError(f"saved_model_cli failed with {result.returncode}: {result.stderr[-2000:]}")
     return result.stdout
@@ -220,9 +212,8 @@ def export_model(
 
     result = result.model_copy(update={"export_dir": str(final), "version": version})
     if mlflow_run_id:
-        log_to_mlflow(
-            tracking_uri or resolve_tracking_uri(config.tracking, workdir), mlflow_run_id, result, description
-        )
+        tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
+        log_to_mlflow(tracking_uri, mlflow_run_id, result, description)
     return result
 
 

@@ -47,12 +47,6 @@ def parse_batch(serialized: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
     return images, tf.cast(features["label"], tf.int32)
 
 
-def _gather_crops(images: tf.Tensor, rows: tf.Tensor, columns: tf.Tensor) -> tf.Tensor:
-    """Per-example crops by index grids: rows (B, H) and columns (B, W) into images (B, H0, W0, C)."""
-    images = tf.gather(images, rows, axis=1, batch_dims=1)  # (B, H, W0, C)
-    return tf.gather(images, columns, axis=2, batch_dims=1)  # (B, H, W, C)
-
-
 def random_crop_flip(
     images: tf.Tensor,
     size: int,
@@ -86,7 +80,9 @@ def random_crop_flip(
     rows = row_offsets + steps  # (B, size)
     # A flipped image reads its columns right to left.
     columns = column_offsets + tf.where(flips == 1, size - 1 - steps, steps)  # (B, size)
-    return _gather_crops(images, rows, columns)
+    # Per-example crops by index grids: rows, then columns.
+    images = tf.gather(images, rows, axis=1, batch_dims=1)  # (B, size, W0, C)
+    return tf.gather(images, columns, axis=2, batch_dims=1)  # (B, size, size, C)
 
 
 def alternating_flips(serialized: tf.Tensor, seed: int, epoch: tf.Tensor) -> tf.Tensor:
@@ -186,15 +182,12 @@ def make_train_dataset(
         raise ValueError("alternating flips need steps_per_epoch")
     manifest = load_manifest(data_dir)
     paths = split_paths(manifest, data_dir, splits)
-    if crop_padding is None:
-        crop_padding = PAD_PIXELS if image_size == IMAGE_SHAPE[0] else 0
-    pad = crop_padding
+    pad = (PAD_PIXELS if image_size == IMAGE_SHAPE[0] else 0) if crop_padding is None else crop_padding
     shuffle_seed = seed + 1_000_003 * start_step
     dataset = _records(paths, deterministic=deterministic, shuffle_files_seed=shuffle_seed)
     if cache:
         dataset = dataset.cache()  # Serialized records: ~3 KB each, parsed per batch below.
-    dataset = dataset.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=True)
-    dataset = dataset.repeat()
+    dataset = dataset.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=True).repeat()
     dataset = dataset.batch(batch_size, drop_remainder=True)
     # Pair every batch with its step number: the augmentation seed is (seed, step), stateless.
     dataset = tf.data.Dataset.zip(dataset, tf.data.Dataset.counter(start_step))
@@ -222,8 +215,7 @@ def make_eval_dataset(
 ) -> tf.data.Dataset:
     """Every example of the splits exactly once, in file order, in batches (the last may be short)."""
     manifest = load_manifest(data_dir)
-    paths = split_paths(manifest, data_dir, splits)
-    dataset = _records(paths, deterministic=True, shuffle_files_seed=None)
+    dataset = _records(split_paths(manifest, data_dir, splits), deterministic=True, shuffle_files_seed=None)
     if cache:
         dataset = dataset.cache()
     dataset = dataset.batch(batch_size, drop_remainder=False)

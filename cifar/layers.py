@@ -1,19 +1,18 @@
 """Custom Keras layers of the model zoo, each registered so `.keras` checkpoints reload.
 
-- `FusedBatchNormalization`: batch normalization on TensorFlow's fused kernel. Keras 3's
-  `BatchNormalization` on the TF backend composes `tf.nn.moments` and `tf.nn.batch_normalization`
-  from a dozen small ops (forward and backward), which costs 35-55% of a ResNet-20 step on CPU;
-  `tf.raw_ops.FusedBatchNormV3` does the same work in one oneDNN/cuDNN kernel.
+- `FusedBatchNormalization`: batch normalization in one oneDNN/cuDNN kernel (`FusedBatchNormV3`).
+  Keras 3's `BatchNormalization` on the TF backend is a dozen small ops (`tf.nn.moments`,
+  `tf.nn.batch_normalization`, forward and backward): 35-55% of a ResNet-20 step on CPU.
 - `LocalResponseNormalization`: the LRN of the 2012-era TF tutorial CNN.
 - `PatchWhitening`: airbench's frozen first convolution whose filters whiten image patches.
-- `Gelu`: exact GELU whose training path is two small XLA kernels (forward and gradient); Keras's
-  GELU in bfloat16 is a dozen unfused elementwise ops and cost as much as the convolutions of the
-  fast net on CPU.
+- `Gelu`: exact GELU whose training path is two small XLA kernels (forward and gradient).
 - `ChannelPadding`: zero channels on both sides, the estimator's parameter-free ("option A") shortcut.
 - `PartialDirac`: airbench's convolution initializer (identity on the first input-many filters).
 """
 
 from __future__ import annotations
+
+import functools
 
 import keras
 import tensorflow as tf
@@ -82,29 +81,12 @@ class FusedBatchNormalization(layers.Layer):
         channels = int(input_shape[-1])
         # Statistics and affine parameters stay float32 under mixed precision (autocast=False),
         # exactly like Keras's BatchNormalization, and as the fused kernel requires.
-        self.gamma = (
-            self.add_weight(shape=(channels,), name="gamma", initializer=self.gamma_initializer, autocast=False)
-            if self.scale
-            else None
-        )
-        self.beta = (
-            self.add_weight(shape=(channels,), name="beta", initializer=self.beta_initializer, autocast=False)
-            if self.center
-            else None
-        )
-        self.moving_mean = self.add_weight(
-            shape=(channels,),
-            name="moving_mean",
-            initializer=self.moving_mean_initializer,
-            trainable=False,
-            autocast=False,
-        )
-        self.moving_variance = self.add_weight(
-            shape=(channels,),
-            name="moving_variance",
-            initializer=self.moving_variance_initializer,
-            trainable=False,
-            autocast=False,
+        add = functools.partial(self.add_weight, shape=(channels,), autocast=False)
+        self.gamma = add(name="gamma", initializer=self.gamma_initializer) if self.scale else None
+        self.beta = add(name="beta", initializer=self.beta_initializer) if self.center else None
+        self.moving_mean = add(name="moving_mean", initializer=self.moving_mean_initializer, trainable=False)
+        self.moving_variance = add(
+            name="moving_variance", initializer=self.moving_variance_initializer, trainable=False
         )
         self.input_spec = layers.InputSpec(min_ndim=2, axes={-1: channels})
 
@@ -124,18 +106,13 @@ class FusedBatchNormalization(layers.Layer):
         scale = tf.convert_to_tensor(self.gamma) if self.scale else tf.ones((channels,), tf.float32)
         offset = tf.convert_to_tensor(self.beta) if self.center else tf.zeros((channels,), tf.float32)
         epsilon = max(self.epsilon, FUSED_MIN_EPSILON)
-
+        fused = functools.partial(
+            tf.raw_ops.FusedBatchNormV3, x=x, scale=scale, offset=offset, epsilon=epsilon, data_format="NHWC"
+        )
         if training and self.trainable:
-            outputs, batch_mean, batch_variance, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-                x=x,
-                scale=scale,
-                offset=offset,
-                mean=tf.constant([], tf.float32),
-                variance=tf.constant([], tf.float32),
-                epsilon=epsilon,
-                exponential_avg_factor=1.0,
-                data_format="NHWC",
-                is_training=True,
+            empty = tf.constant([], tf.float32)
+            outputs, batch_mean, batch_variance, *_ = fused(
+                mean=empty, variance=empty, exponential_avg_factor=1.0, is_training=True
             )
             # Undo the kernel's Bessel correction: Keras averages the biased variance.
             count = tf.cast(tf.size(x, out_type=tf.int64) // channels, tf.float32)
@@ -143,33 +120,17 @@ class FusedBatchNormalization(layers.Layer):
             self.moving_mean.assign(self.moving_mean * self.momentum + batch_mean * (1.0 - self.momentum))
             self.moving_variance.assign(self.moving_variance * self.momentum + biased_variance * (1.0 - self.momentum))
         else:
-            outputs, _, _, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-                x=x,
-                scale=scale,
-                offset=offset,
-                mean=tf.convert_to_tensor(self.moving_mean),
-                variance=tf.convert_to_tensor(self.moving_variance),
-                epsilon=epsilon,
-                data_format="NHWC",
-                is_training=False,
-            )
+            mean, variance = tf.convert_to_tensor(self.moving_mean), tf.convert_to_tensor(self.moving_variance)
+            outputs = fused(mean=mean, variance=variance, is_training=False)[0]
         if rank != 4:
             outputs = tf.reshape(outputs, tf.shape(inputs))
         return tf.cast(outputs, self.compute_dtype)
 
     def get_config(self):
-        return {
-            **super().get_config(),
-            "axis": self.axis,
-            "momentum": self.momentum,
-            "epsilon": self.epsilon,
-            "center": self.center,
-            "scale": self.scale,
-            "beta_initializer": initializers.serialize(self.beta_initializer),
-            "gamma_initializer": initializers.serialize(self.gamma_initializer),
-            "moving_mean_initializer": initializers.serialize(self.moving_mean_initializer),
-            "moving_variance_initializer": initializers.serialize(self.moving_variance_initializer),
-        }
+        config = {name: getattr(self, name) for name in ("axis", "momentum", "epsilon", "center", "scale")}
+        for name in ("beta", "gamma", "moving_mean", "moving_variance"):
+            config[f"{name}_initializer"] = initializers.serialize(getattr(self, f"{name}_initializer"))
+        return {**super().get_config(), **config}
 
 
 @keras.saving.register_keras_serializable(package="cifar")
@@ -192,26 +153,16 @@ class LocalResponseNormalization(layers.Layer):
         self.beta = float(beta)
 
     def call(self, inputs):
-        normalized = tf.nn.local_response_normalization(
-            tf.cast(inputs, tf.float32),
-            depth_radius=self.depth_radius,
-            bias=self.bias,
-            alpha=self.alpha,
-            beta=self.beta,
-        )
+        arguments = {name: getattr(self, name) for name in ("depth_radius", "bias", "alpha", "beta")}
+        normalized = tf.nn.local_response_normalization(tf.cast(inputs, tf.float32), **arguments)
         return tf.cast(normalized, self.compute_dtype)
 
     def compute_output_shape(self, input_shape):
         return input_shape
 
     def get_config(self):
-        return {
-            **super().get_config(),
-            "depth_radius": self.depth_radius,
-            "bias": self.bias,
-            "alpha": self.alpha,
-            "beta": self.beta,
-        }
+        arguments = {name: getattr(self, name) for name in ("depth_radius", "bias", "alpha", "beta")}
+        return {**super().get_config(), **arguments}
 
 
 @keras.saving.register_keras_serializable(package="cifar")
@@ -242,12 +193,8 @@ class PatchWhitening(layers.Layer):
             basis = ops.eye(patch_values, dtype=dtype)  # (values, values): one filter per patch value.
             return ops.reshape(ops.concatenate([basis, -basis], axis=1), shape)
 
-        self.kernel = self.add_weight(
-            shape=(self.patch_size, self.patch_size, int(channels), self.filters),
-            name="kernel",
-            initializer=identity_basis,
-            trainable=False,
-        )
+        kernel_shape = (self.patch_size, self.patch_size, int(channels), self.filters)
+        self.kernel = self.add_weight(shape=kernel_shape, name="kernel", initializer=identity_basis, trainable=False)
         self.bias = self.add_weight(shape=(self.filters,), name="bias", initializer="zeros")
 
     def call(self, inputs):
@@ -257,13 +204,8 @@ class PatchWhitening(layers.Layer):
 
     def compute_output_shape(self, input_shape):
         batch, height, width, channels = input_shape
-        shrink = self.patch_size - 1
-        return (
-            batch,
-            None if height is None else height - shrink,
-            None if width is None else width - shrink,
-            2 * self.patch_size * self.patch_size * channels,
-        )
+        height, width = (None if size is None else size - self.patch_size + 1 for size in (height, width))
+        return (batch, height, width, 2 * self.patch_size * self.patch_size * channels)
 
     def get_config(self):
         return {**super().get_config(), "patch_size": self.patch_size}
@@ -296,11 +238,7 @@ def _fused_gelu_backward(x: tf.Tensor, upstream: tf.Tensor) -> tf.Tensor:
 @tf.custom_gradient
 def fused_gelu(x: tf.Tensor):
     """Exact GELU, x * Phi(x), in float32 math; forward and gradient are each one fused XLA kernel."""
-
-    def gradient(upstream):
-        return _fused_gelu_backward(x, upstream)
-
-    return _fused_gelu_forward(x), gradient
+    return _fused_gelu_forward(x), lambda upstream: _fused_gelu_backward(x, upstream)
 
 
 @keras.saving.register_keras_serializable(package="cifar")
@@ -374,14 +312,3 @@ class PartialDirac(initializers.Initializer):
 
     def get_config(self):
         return {"seed": self.seed}
-
-
-__all__ = [
-    "ChannelPadding",
-    "FusedBatchNormalization",
-    "Gelu",
-    "LocalResponseNormalization",
-    "PartialDirac",
-    "PatchWhitening",
-    "FUSED_MIN_EPSILON",
-]

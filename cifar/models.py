@@ -17,7 +17,8 @@ carries regularizers: training adds the L2 penalty to the loss (`cifar.train.add
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Sequence
 
 import keras
 import numpy as np
@@ -33,19 +34,6 @@ from cifar.layers import (
     PartialDirac,
     PatchWhitening,
 )
-
-ModelBuilder = Callable[..., keras.Model]
-_BUILDERS: dict[str, ModelBuilder] = {}
-
-
-def register(name: str) -> Callable[[ModelBuilder], ModelBuilder]:
-    """Decorator adding a builder to the zoo under `name`."""
-
-    def decorate(builder: ModelBuilder) -> ModelBuilder:
-        _BUILDERS[name] = builder
-        return builder
-
-    return decorate
 
 
 def input_size(name: str) -> int:
@@ -65,29 +53,14 @@ def normalized_input(
     return inputs, normalized
 
 
-def logits_head(
-    features: keras.KerasTensor,
-    num_classes: int = NUM_CLASSES,
-    *,
-    use_bias: bool = True,
-    kernel_initializer: str | keras.initializers.Initializer = "glorot_uniform",
-    bias_initializer: str | keras.initializers.Initializer = "zeros",
-    output_scale: float | None = None,
-) -> keras.KerasTensor:
-    """The final dense layer, kept in float32 so mixed precision never rounds the logits.
+def logits_head(features: keras.KerasTensor, output_scale: float | None = None, **dense: object) -> keras.KerasTensor:
+    """The final dense layer (`dense`: its keyword arguments), in float32 so mixed precision never rounds the logits.
 
     The output layer is always named "logits". With `output_scale` the dense layer is named
     "classifier" and a constant float32 multiplication named "logits" follows it (airbench's 1/9).
     """
     dense_name = "logits" if output_scale is None else "classifier"
-    logits = layers.Dense(
-        num_classes,
-        use_bias=use_bias,
-        kernel_initializer=kernel_initializer,
-        bias_initializer=bias_initializer,
-        dtype="float32",
-        name=dense_name,
-    )(features)
+    logits = layers.Dense(NUM_CLASSES, dtype="float32", name=dense_name, **dense)(features)
     if output_scale is not None:
         logits = layers.Rescaling(output_scale, dtype="float32", name="logits")(logits)
     return logits
@@ -100,7 +73,6 @@ def batch_norm(fused: bool, *, momentum: float, epsilon: float, scale: bool = Tr
     return layers.BatchNormalization(momentum=momentum, epsilon=epsilon, scale=scale, name=name)
 
 
-@register("tiny")
 def build_tiny(mean: Sequence[float], std: Sequence[float], **_: object) -> keras.Model:
     """For testing only: one small conv layer, trains in seconds on the fixture archives."""
     inputs, x = normalized_input(32, mean, std)
@@ -115,7 +87,6 @@ TUTORIAL_DENSE_STDDEV = 0.04  # Truncated-normal std of the 384- and 192-unit la
 TUTORIAL_LRN = {"depth_radius": 4, "bias": 1.0, "alpha": 0.001 / 9.0, "beta": 0.75}  # tf.nn.lrn arguments.
 
 
-@register("tutorial")
 def build_tutorial(mean: Sequence[float], std: Sequence[float], **_: object) -> keras.Model:
     """The classic TF tutorial CNN on 24x24 crops: two conv-pool-LRN stages and two dense layers.
 
@@ -125,30 +96,20 @@ def build_tutorial(mean: Sequence[float], std: Sequence[float], **_: object) -> 
     """
     conv_init = keras.initializers.TruncatedNormal(stddev=TUTORIAL_CONV_STDDEV)
     dense_init = keras.initializers.TruncatedNormal(stddev=TUTORIAL_DENSE_STDDEV)
+    bias_init = keras.initializers.Constant(0.1)
+    conv = functools.partial(layers.Conv2D, 64, 5, padding="same", activation="relu", kernel_initializer=conv_init)
     inputs, x = normalized_input(24, mean, std)
-    x = layers.Conv2D(64, 5, padding="same", activation="relu", kernel_initializer=conv_init, name="conv1")(x)
+    x = conv(name="conv1")(x)
     x = layers.MaxPooling2D(3, strides=2, padding="same", name="pool1")(x)  # (B, 12, 12, 64)
     x = LocalResponseNormalization(**TUTORIAL_LRN, name="norm1")(x)
-    x = layers.Conv2D(
-        64,
-        5,
-        padding="same",
-        activation="relu",
-        kernel_initializer=conv_init,
-        bias_initializer=keras.initializers.Constant(0.1),
-        name="conv2",
-    )(x)
+    x = conv(bias_initializer=bias_init, name="conv2")(x)
     # The tutorial normalizes before pooling in the second stage (the reverse of the first).
     x = LocalResponseNormalization(**TUTORIAL_LRN, name="norm2")(x)
     x = layers.MaxPooling2D(3, strides=2, padding="same", name="pool2")(x)  # (B, 6, 6, 64)
     x = layers.Flatten(name="flatten")(x)  # (B, 2304)
     for units, name in ((384, "local3"), (192, "local4")):
         x = layers.Dense(
-            units,
-            activation="relu",
-            kernel_initializer=dense_init,
-            bias_initializer=keras.initializers.Constant(0.1),
-            name=name,
+            units, activation="relu", kernel_initializer=dense_init, bias_initializer=bias_init, name=name
         )(x)
     logits = logits_head(x, kernel_initializer=keras.initializers.TruncatedNormal(stddev=1.0 / 192.0))
     return keras.Model(inputs, logits, name="tutorial")
@@ -192,16 +153,14 @@ def _residual_block(
     if in_filters != filters:
         # The estimator's parameter-free shortcut ("option A" of He et al. 2015): average-pool by the
         # stride, then zero-pad the channels evenly on both sides.
-        shortcut = layers.AveragePooling2D(strides, strides=strides, padding="same", name=f"{name}_shortcut_pool")(
-            shortcut
-        )
+        pool = layers.AveragePooling2D(strides, strides=strides, padding="same", name=f"{name}_shortcut_pool")
+        shortcut = pool(shortcut)
         padding = (filters - in_filters) // 2
         shortcut = ChannelPadding(padding, filters - in_filters - padding, name=f"{name}_shortcut_pad")(shortcut)
     x = layers.Add(name=f"{name}_add")([x, shortcut])
     return layers.ReLU(name=f"{name}_relu2")(x)
 
 
-@register("resnet")
 def build_resnet(
     mean: Sequence[float], std: Sequence[float], *, depth: int, fused_batchnorm: bool = True, **_: object
 ) -> keras.Model:
@@ -245,6 +204,8 @@ def gelu(fused: bool, name: str) -> layers.Layer:
 
 def _fast_conv_group(x: keras.KerasTensor, filters: int, fused: bool, fused_gelu: bool, name: str) -> keras.KerasTensor:
     """airbench's ConvGroup: conv-pool-BN-GELU-conv-BN-GELU, convs without bias, BN without scale."""
+    # airbench freezes the BN weight at 1 (only the bias trains), i.e. scale=False.
+    bn = functools.partial(batch_norm, fused, momentum=FAST_BN_MOMENTUM, epsilon=FAST_BN_EPSILON, scale=False)
     for index in (1, 2):
         x = layers.Conv2D(
             filters, 3, padding="same", use_bias=False, kernel_initializer=PartialDirac(), name=f"{name}_conv{index}"
@@ -252,15 +213,11 @@ def _fast_conv_group(x: keras.KerasTensor, filters: int, fused: bool, fused_gelu
         if index == 1:
             # Pooling right after the first conv halves the work of everything that follows.
             x = layers.MaxPooling2D(2, name=f"{name}_pool")(x)
-        # airbench freezes the BN weight at 1 (only the bias trains), i.e. scale=False.
-        x = batch_norm(
-            fused, momentum=FAST_BN_MOMENTUM, epsilon=FAST_BN_EPSILON, scale=False, name=f"{name}_bn{index}"
-        )(x)
+        x = bn(name=f"{name}_bn{index}")(x)
         x = gelu(fused_gelu, f"{name}_gelu{index}")(x)  # Exact (erf) GELU, PyTorch's default.
     return x
 
 
-@register("fast")
 def build_fast(
     mean: Sequence[float], std: Sequence[float], *, fused_batchnorm: bool = True, fused_gelu: bool = True, **_: object
 ) -> keras.Model:
@@ -277,7 +234,7 @@ def build_fast(
     x = layers.GlobalMaxPooling2D(name="pool")(x)  # (B, 256): airbench's MaxPool2d(3) on the 3x3 map.
     # PyTorch's default Linear init, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), as airbench's classifier has.
     torch_linear_init = keras.initializers.VarianceScaling(scale=1.0 / 3.0, mode="fan_in", distribution="uniform")
-    logits = logits_head(x, use_bias=False, kernel_initializer=torch_linear_init, output_scale=FAST_OUTPUT_SCALE)
+    logits = logits_head(x, FAST_OUTPUT_SCALE, use_bias=False, kernel_initializer=torch_linear_init)
     return keras.Model(inputs, logits, name="fast")
 
 
@@ -306,19 +263,13 @@ def patch_second_moments(images: np.ndarray, patch_size: int, chunk_size: int = 
     return moments.reshape(size, size) / (count * out_height * out_width)
 
 
-def init_whitening(
-    model: keras.Model,
-    images_uint8: np.ndarray,
-    *,
-    epsilon: float = WHITENING_EPSILON,
-    max_images: int = WHITENING_IMAGES,
-) -> np.ndarray:
+def init_whitening(model: keras.Model, images_uint8: np.ndarray) -> np.ndarray:
     """Sets the model's `PatchWhitening` filters from training images; returns the eigenvalues.
 
     As airbench94's `init_whitening_conv`: the (uncentered) covariance of all k x k patches of the
-    normalized images is eigen-decomposed, and the filters are the eigenvectors scaled by
-    1 / sqrt(eigenvalue + epsilon), largest first, followed by their negations. The whitened patch
-    components then have (nearly) unit second moments and are mutually uncorrelated.
+    first `WHITENING_IMAGES` normalized images is eigen-decomposed, and the filters are the eigenvectors
+    scaled by 1 / sqrt(eigenvalue + WHITENING_EPSILON), largest first, followed by their negations. The
+    whitened patch components then have (nearly) unit second moments and are mutually uncorrelated.
     """
     images_uint8 = np.asarray(images_uint8)
     if images_uint8.ndim != 4 or images_uint8.shape[-1] != 3 or len(images_uint8) == 0:
@@ -330,12 +281,13 @@ def init_whitening(
     # here in float32 (calling the layers would round to bfloat16 under a mixed policy).
     scale = model.get_layer("scale").get_config()
     normalize = model.get_layer("normalize").get_config()
-    images = images_uint8[:max_images].astype(np.float32) * np.float32(scale["scale"]) + np.float32(scale["offset"])
+    images = images_uint8[:WHITENING_IMAGES].astype(np.float32)
+    images = images * np.float32(scale["scale"]) + np.float32(scale["offset"])
     images = (images - np.float32(normalize["mean"])) / np.sqrt(np.float32(normalize["variance"]))
     covariance = patch_second_moments(images, whitening.patch_size)  # (k*k*3, k*k*3)
     eigenvalues, eigenvectors = np.linalg.eigh(covariance)  # Ascending order.
     eigenvalues, eigenvectors = eigenvalues[::-1], eigenvectors[:, ::-1]
-    filters = eigenvectors / np.sqrt(eigenvalues + epsilon)  # (k*k*3, k*k*3), one filter per column.
+    filters = eigenvectors / np.sqrt(eigenvalues + WHITENING_EPSILON)  # (k*k*3, k*k*3), one filter per column.
     kernel = np.concatenate([filters, -filters], axis=1).reshape(whitening.kernel.shape)
     whitening.kernel.assign(kernel.astype(np.float32))
     return eigenvalues
@@ -360,5 +312,6 @@ def build_model(
         raise ValueError(f"mean and std need 3 channels with std > 0, got mean={mean}, std={std}")
     family, depth = parse_model_name(name)
     if family == "resnet":
-        return _BUILDERS["resnet"](mean=mean, std=std, fused_batchnorm=fused_batchnorm, depth=depth)
-    return _BUILDERS[name](mean=mean, std=std, fused_batchnorm=fused_batchnorm, fused_gelu=fused_gelu)
+        return build_resnet(mean, std, depth=depth, fused_batchnorm=fused_batchnorm)
+    builder = {"tiny": build_tiny, "tutorial": build_tutorial, "fast": build_fast}[family]
+    return builder(mean, std, fused_batchnorm=fused_batchnorm, fused_gelu=fused_gelu)

@@ -54,13 +54,9 @@ def cpu_supports_bf16(cpuinfo_path: str | Path = "/proc/cpuinfo") -> bool:
 
 def gpu_compute_capabilities(num_gpus: int) -> list[tuple[int, int]]:
     """Compute capabilities of the first `num_gpus` visible GPUs (fewer if fewer are visible)."""
-    capabilities = []
-    for device in tf.config.list_physical_devices("GPU")[:num_gpus]:
-        details = tf.config.experimental.get_device_details(device)
-        capability = details.get("compute_capability")
-        if capability is not None:
-            capabilities.append(tuple(capability))
-    return capabilities
+    devices = tf.config.list_physical_devices("GPU")[:num_gpus]
+    capabilities = [tf.config.experimental.get_device_details(device).get("compute_capability") for device in devices]
+    return [tuple(capability) for capability in capabilities if capability is not None]
 
 
 def resolve_precision(train: TrainConfig, num_gpus: int) -> str:
@@ -131,10 +127,6 @@ def configure_performance(
     onednn = onednn_enabled()
     if not onednn:
         logger.warning("TF_ENABLE_ONEDNN_OPTS=0 turns off oneDNN: CPU convolutions and bfloat16 will be slow")
-
-    def threads_setting(value: int) -> str:
-        return "default" if value == 0 else str(value)
-
     return {
         "device": f"gpu x{num_gpus}" if num_gpus else "cpu",
         "precision": precision,
@@ -143,6 +135,7 @@ def configure_performance(
         "fused_gelu": str(train.fused_gelu).lower(),
         "cpu_bf16": ",".join(cpu_bf16_flags()) or "none",
         "onednn": "on" if onednn else "off",
-        "intra_op_threads": threads_setting(tf.config.threading.get_intra_op_parallelism_threads()),
-        "inter_op_threads": threads_setting(tf.config.threading.get_inter_op_parallelism_threads()),
+        # 0 is TensorFlow's default pool.
+        "intra_op_threads": str(tf.config.threading.get_intra_op_parallelism_threads() or "default"),
+        "inter_op_threads": str(tf.config.threading.get_inter_op_parallelism_threads() or "default"),
     }

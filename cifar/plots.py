@@ -36,16 +36,12 @@ def confusion_matrix_png(matrix: np.ndarray, class_names: Sequence[str], title: 
     figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04)
     axes.set_xticks(range(num_classes), labels=class_names, rotation=45, ha="right")
     axes.set_yticks(range(num_classes), labels=class_names)
-    axes.set_xlabel("predicted class")
-    axes.set_ylabel("true class")
-    axes.set_title(title)
+    axes.set(xlabel="predicted class", ylabel="true class", title=title)
     # White text on dark cells keeps every count readable.
     threshold = matrix.max() / 2 if matrix.size and matrix.max() > 0 else 0
-    for row in range(num_classes):
-        for column in range(num_classes):
-            count = int(matrix[row, column])
-            color = "white" if count > threshold else "black"
-            axes.text(column, row, str(count), ha="center", va="center", fontsize=7, color=color)
+    for (row, column), count in np.ndenumerate(matrix.astype(np.int64)):
+        color = "white" if count > threshold else "black"
+        axes.text(column, row, str(count), ha="center", va="center", fontsize=7, color=color)
     return figure_png(figure)
 
 

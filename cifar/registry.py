@@ -34,7 +34,7 @@ from cifar.tracking import ensure_experiment, resolve_tracking_uri, use_run
 CHAMPION_ALIAS = "champion"
 ACCURACY_TAG = "test_accuracy"
 EXPORT_KEY_TAG = "export_key"  # The export a version was registered from: one version per export.
-DECISION_TAG = "promotion.champion"  # Written last on a version: the gate's decision is complete.
+DECISION_TAG = "promotion"  # The gate's decision (a PromotionResult as JSON), set on a version once taken.
 MODEL_ARTIFACT_NAME = "model"  # The logged model's name within the run.
 SAVED_MODEL_ARTIFACT = "saved_model"  # The key of the SavedModel directory among the pyfunc's artifacts.
 
@@ -43,9 +43,13 @@ class SavedModelClassifier(PythonModel):
     """An MLflow pyfunc calling a SavedModel's serving_default on uint8 images (N, 32, 32, 3)."""
 
     def load_context(self, context) -> None:
+        self.load(context.artifacts[SAVED_MODEL_ARTIFACT])
+
+    def load(self, export_dir: str) -> SavedModelClassifier:
         import tensorflow as tf
 
-        self._serve = tf.saved_model.load(context.artifacts[SAVED_MODEL_ARTIFACT]).signatures[SERVING_SIGNATURE]
+        self._serve = tf.saved_model.load(export_dir).signatures[SERVING_SIGNATURE]
+        return self
 
     def predict(self, context, model_input, params=None) -> dict[str, np.ndarray]:
         import tensorflow as tf
@@ -116,12 +120,11 @@ def log_pyfunc_model(export_result: ExportResult, input_example: np.ndarray):
     import mlflow
     from mlflow.models import infer_signature
 
-    classifier = SavedModelClassifier()
-    example_outputs = _example_outputs(export_result.export_dir, input_example)
+    example_outputs = SavedModelClassifier().load(export_result.export_dir).predict(None, input_example)
     signature = infer_signature(input_example, example_outputs)
     return mlflow.pyfunc.log_model(
         name=MODEL_ARTIFACT_NAME,
-        python_model=classifier,
+        python_model=SavedModelClassifier(),
         artifacts={SAVED_MODEL_ARTIFACT: export_result.export_dir},
         signature=signature,
         input_example=input_example,
@@ -159,38 +162,11 @@ def registered_version(client, model_name: str, export_key: str):
 
 def recorded_decision(version, key: str) -> PromotionResult | None:
     """The gate's decision stored on a version, or None when no attempt got that far."""
-    tags = version.tags
-    if DECISION_TAG not in tags:
+    if DECISION_TAG not in version.tags:
         return None
-
-    def optional(name: str, cast):
-        return cast(tags[name]) if tags.get(name) not in (None, "") else None
-
-    return PromotionResult(
-        key=key,
-        reused=True,
-        registered_model_version=int(version.version),
-        champion=tags["promotion.champion"] == "true",
-        test_accuracy=float(tags[ACCURACY_TAG]),
-        champion_accuracy_before=optional("promotion.champion_accuracy_before", float),
-        champion_version_before=optional("promotion.champion_version_before", int),
-        model_uri=version.source,
-        reason=tags["promotion.reason"],
+    return PromotionResult.model_validate_json(version.tags[DECISION_TAG]).model_copy(
+        update={"key": key, "reused": True}
     )
-
-
-def _example_outputs(export_dir: str, input_example: np.ndarray) -> dict[str, np.ndarray]:
-    """What the wrapped SavedModel answers for the input example (for the output schema)."""
-    classifier = SavedModelClassifier()
-    classifier.load_context(_Context({SAVED_MODEL_ARTIFACT: export_dir}))
-    return classifier.predict(None, input_example)
-
-
-class _Context:
-    """The part of MLflow's PythonModelContext that `load_context` reads."""
-
-    def __init__(self, artifacts: dict[str, str]):
-        self.artifacts = artifacts
 
 
 def register_and_promote(
@@ -288,14 +264,7 @@ def _gate(
         model_uri=model_uri,
         reason=reason,
     )
-    recorded = {
-        "promotion.champion_accuracy_before": "" if champion_accuracy is None else repr(champion_accuracy),
-        "promotion.champion_version_before": "" if champion_version is None else str(champion_version),
-        "promotion.reason": reason,
-        DECISION_TAG: str(promote).lower(),
-    }
-    for name, value in recorded.items():  # The decision tag last: its presence means the record is complete.
-        client.set_model_version_tag(model_name, str(version), name, value)
+    client.set_model_version_tag(model_name, str(version), DECISION_TAG, result.model_dump_json(exclude={"reused"}))
     return result
 
 

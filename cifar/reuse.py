@@ -1,19 +1,13 @@
 """The one rule for reusing work: a stage's key, and what the same key means.
 
-A stage's key hashes three things and nothing else:
-  - the content it reads: the archive's SHA-256, or the keys (and checkpoint digest) of the stages
-    before it;
-  - the config fields that shape its output (never retries, `train.resume`, later stages' fields);
-  - the code version of every project module the stage executes: the source of its entry module and
-    of every `cifar` module that one imports, transitively (found by reading the imports, so a new
-    module is counted the moment it is imported; nothing is listed by hand).
+A stage's key hashes the content it reads (the archive's SHA-256, or the keys and checkpoint digest
+of the stages before it), the config fields that shape its output (never retries, `train.resume` or
+later stages' fields), and the code version of every project module the stage executes: its entry
+module and every `cifar` module that imports, transitively, found by reading the imports.
 
-Same key -> the stage returns its finished output and does no work. A different key -> the stage
-computes into a new place: a new data directory, a new training run (new MLflow run, new
-checkpoints), a new export version and registry version. `refresh` forces the computation.
-
-The stages own this rule (`cifar.data.prepare`, `cifar.train`, `cifar.evaluate`, `cifar.export`,
-`cifar.registry` store each result with its key); Prefect's cache only looks the same keys up.
+Same key: the stage returns its finished output and does no work. Another key: it computes into a
+new place (data directory, training run, export version, registry version). `refresh` forces the
+work. The stages store each result with its key; Prefect's cache only looks the same keys up.
 Everything here is cheap and free of TensorFlow, so a cached run never imports it.
 """
 

@@ -24,6 +24,8 @@ import math
 import keras
 from keras import ops
 
+from cifar.config import TrainConfig
+
 REFERENCE_BATCH_SIZE = 128  # The configured learning rate is the peak at this batch size.
 PIECEWISE_FRACTIONS = (82 / 164, 123 / 164, 150 / 164)  # Where the estimator recipe decays.
 PIECEWISE_MULTIPLIERS = (1.0, 0.1, 0.01, 0.002)
@@ -61,12 +63,7 @@ class WarmupPiecewise(keras.optimizers.schedules.LearningRateSchedule):
         return self.peak * multiplier * _warmup_factor(step, self.warmup_steps)
 
     def get_config(self) -> dict:
-        return {
-            "peak": self.peak,
-            "boundaries": self.boundaries,
-            "multipliers": self.multipliers,
-            "warmup_steps": self.warmup_steps,
-        }
+        return {name: getattr(self, name) for name in ("peak", "boundaries", "multipliers", "warmup_steps")}
 
 
 class _PeakOverRunSchedule(keras.optimizers.schedules.LearningRateSchedule):
@@ -124,25 +121,16 @@ class OneCycle(_PeakOverRunSchedule):
         return {**super().get_config(), "initial_factor": self.initial_factor, "final_factor": self.final_factor}
 
 
-def make_schedule(
-    name: str,
-    *,
-    learning_rate: float,
-    batch_size: int,
-    steps_per_epoch: int,
-    epochs: int,
-    warmup_epochs: float = 0.0,
-    initial_factor: float = 0.0,
-    final_factor: float = 0.0,
-) -> keras.optimizers.schedules.LearningRateSchedule:
-    """The named schedule, with the peak scaled to the batch size and epochs converted to steps."""
+def make_schedule(train: TrainConfig, steps_per_epoch: int) -> keras.optimizers.schedules.LearningRateSchedule:
+    """`train.schedule`, its peak scaled to the batch size and its epochs converted to steps."""
     if steps_per_epoch < 1:
         raise ValueError(f"steps_per_epoch must be >= 1, got {steps_per_epoch}")
-    peak = scaled_learning_rate(learning_rate, batch_size)
+    name, epochs = train.schedule, train.epochs
+    peak = scaled_learning_rate(train.learning_rate, train.batch_size)
     total_steps = steps_per_epoch * epochs
-    warmup_steps = int(round(warmup_epochs * steps_per_epoch))
+    warmup_steps = int(round(train.warmup_epochs * steps_per_epoch))
     if warmup_steps >= total_steps and name in {"cosine", "onecycle"}:
-        raise ValueError(f"warmup_epochs ({warmup_epochs}) must be shorter than the run ({epochs} epochs)")
+        raise ValueError(f"warmup_epochs ({train.warmup_epochs}) must be shorter than the run ({epochs} epochs)")
     if name == "constant":
         return WarmupPiecewise(peak, [], [1.0], warmup_steps)
     if name == "piecewise":
@@ -151,5 +139,5 @@ def make_schedule(
     if name == "cosine":
         return WarmupCosine(peak, total_steps, warmup_steps)
     if name == "onecycle":
-        return OneCycle(peak, total_steps, warmup_steps, initial_factor, final_factor)
+        return OneCycle(peak, total_steps, warmup_steps, train.warmup_initial_factor, train.final_learning_rate_factor)
     raise ValueError(f"unknown schedule {name!r}: expected constant, piecewise, cosine or onecycle")

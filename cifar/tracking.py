@@ -176,8 +176,8 @@ def logged_steps(tracking_uri: str, run_id: str, key: str) -> set[int]:
 def manifest_dataset(manifest, data_dir: str | Path):
     """The training data as an MLflow dataset: where the archive came from and a digest of the shards.
 
-    A `MetaDataset` records metadata only; the digest hashes the manifest (shard hashes, counts,
-    statistics), so two runs on the same prepared data show the same dataset in the UI.
+    A `MetaDataset` records metadata only; its digest is the data key, so two runs on the same
+    prepared data show the same dataset in the UI.
     """
     import warnings
 
@@ -186,9 +186,6 @@ def manifest_dataset(manifest, data_dir: str | Path):
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.types import ColSpec, DataType, Schema
 
-    from cifar.io import file_digest
-
-    digest = file_digest(Path(data_dir) / "manifest.json")[:32]
     schema = Schema([ColSpec(DataType.binary, "image"), ColSpec(DataType.long, "label")])
     location = manifest.source.location
     if location.startswith(("http://", "https://")):
@@ -197,4 +194,4 @@ def manifest_dataset(manifest, data_dir: str | Path):
         with warnings.catch_warnings():  # A local path matches two equivalent local source types.
             warnings.simplefilter("ignore", UserWarning)
             source = resolve_dataset_source(location)
-    return MetaDataset(source, name=Path(data_dir).name, digest=digest, schema=schema)
+    return MetaDataset(source, name=Path(data_dir).name, digest=manifest.key, schema=schema)

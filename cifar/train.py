@@ -152,16 +152,7 @@ def add_weight_decay(
 def make_optimizer(config: PipelineConfig, steps_per_epoch: int) -> GroupedSGD:
     """SGD with momentum on the configured schedule, with airbench's parameter groups when asked."""
     train = config.train
-    schedule = schedules.make_schedule(
-        train.schedule,
-        learning_rate=train.learning_rate,
-        batch_size=train.batch_size,
-        steps_per_epoch=steps_per_epoch,
-        epochs=train.epochs,
-        warmup_epochs=train.warmup_epochs,
-        initial_factor=train.warmup_initial_factor,
-        final_factor=train.final_learning_rate_factor,
-    )
+    schedule = schedules.make_schedule(train, steps_per_epoch)
     multipliers = {}
     if train.bias_learning_rate_multiplier != 1.0:
         multipliers[BATCH_NORM_BIAS_PATTERN] = train.bias_learning_rate_multiplier
@@ -413,57 +404,36 @@ def _fit(job: TrainingJob, model: keras.Model, initial_epoch: int, callbacks: li
     """model.fit inside the MLflow run (for system metrics) on the chief; plain fit elsewhere."""
     train = job.train
     train_splits, validation_splits = training_splits(job.config, job.manifest)
-    image_size = input_size(train.model)
+    shared = {"batch_size": train.batch_size, "image_size": input_size(train.model), "cache": train.cache}
+    augmentation = train.model_dump(include={"augment", "shuffle_buffer", "crop_padding", "padding_mode", "flip"})
     # Multi-worker element sharding needs the same element order on every worker.
-    deterministic = train.deterministic or job.plan.num_workers > 1
-    train_dataset = make_train_dataset(
-        job.data_dir,
-        splits=train_splits,
-        batch_size=train.batch_size,
-        image_size=image_size,
-        seed=job.config.seed,
-        augment=train.augment,
-        cache=train.cache,
-        shuffle_buffer=train.shuffle_buffer,
-        deterministic=deterministic,
-        start_step=initial_epoch * job.steps_per_epoch,
-        crop_padding=train.crop_padding,
-        padding_mode=train.padding_mode,
-        flip=train.flip,
-        steps_per_epoch=job.steps_per_epoch,
-    )
+    order = {"seed": job.config.seed, "deterministic": train.deterministic or job.plan.num_workers > 1}
+    steps = {"start_step": initial_epoch * job.steps_per_epoch, "steps_per_epoch": job.steps_per_epoch}
+    train_dataset = make_train_dataset(job.data_dir, splits=train_splits, **shared, **augmentation, **order, **steps)
     validation_dataset = None
     if validation_splits:
-        validation_dataset = make_eval_dataset(
-            job.data_dir,
-            splits=validation_splits,
-            batch_size=train.batch_size,
-            image_size=image_size,
-            cache=train.cache,
-        )
+        validation_dataset = make_eval_dataset(job.data_dir, splits=validation_splits, **shared)
     verbose = 1 if sys.stdout.isatty() else 2  # A live progress bar on a terminal, one line per epoch in logs.
     with tracking.active_run(job.tracking_uri, run_id, system_metrics=job.config.tracking.system_metrics):
         # Ended FINISHED on success; FAILED on any exception (a SIGKILL leaves it RUNNING until resumed).
+        span = {"epochs": train.epochs, "initial_epoch": initial_epoch, "steps_per_epoch": job.steps_per_epoch}
         model.fit(
             train_dataset,
-            epochs=train.epochs,
-            initial_epoch=initial_epoch,
-            steps_per_epoch=job.steps_per_epoch,
             validation_data=validation_dataset,
             callbacks=callbacks,
             verbose=verbose,
             shuffle=False,
+            **span,
         )
 
 
 def _result(job: TrainingJob, run_id: str | None, index: CheckpointIndex, history: dict[str, list]) -> TrainResult:
-    rows = history_rows(history)
-    best = index.best
+    rows, best, run = history_rows(history), index.best, job.run
     return TrainResult(
         key=job.key,
-        run_name=job.run.name,
-        run_dir=str(job.run.path),
-        checkpoint_dir=str(job.run.checkpoint_dir),
+        run_name=run.name,
+        run_dir=str(run.path),
+        checkpoint_dir=str(run.checkpoint_dir),
         mlflow_run_id=run_id,
         tracking_uri=job.tracking_uri,
         epochs_completed=index.latest.epoch if index.latest else 0,

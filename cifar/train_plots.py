@@ -10,6 +10,8 @@ matplotlib.use("Agg")  # Files only: training runs on headless machines.
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+PANELS = {"loss": ["loss", "val_loss"], "accuracy": ["accuracy", "val_accuracy"], "learning rate": ["learning_rate"]}
+
 
 def plot_training_curves(history: dict[str, list[float]], path: str | Path) -> Path:
     """Writes a PNG with loss, accuracy (training and validation) and the learning rate per epoch.
@@ -21,13 +23,8 @@ def plot_training_curves(history: dict[str, list[float]], path: str | Path) -> P
     path.parent.mkdir(parents=True, exist_ok=True)
     lengths = [len(values) for key, values in history.items() if key != "epoch"]
     epochs = history.get("epoch") or list(range(1, max(lengths, default=0) + 1))
-    panels = [
-        ("loss", ["loss", "val_loss"]),
-        ("accuracy", ["accuracy", "val_accuracy"]),
-        ("learning rate", ["learning_rate"]),
-    ]
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.5))
-    for axis, (title, keys) in zip(axes, panels):
+    figure, axes = plt.subplots(1, len(PANELS), figsize=(4.5 * len(PANELS), 3.5))
+    for axis, (title, keys) in zip(axes, PANELS.items()):
         for key in keys:
             values = history.get(key)
             if values:

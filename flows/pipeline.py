@@ -69,6 +69,14 @@ class Stages:
         return run
 
 
+EVALUATION_FIELDS = {
+    "test_accuracy",
+    "test_loss",
+    "flip_tta_accuracy",
+    "tta_accuracy",
+    "metrics_path",
+    "predictions_path",
+}
 STAGE_LOGGERS = ("cifar", "tasks")  # PREFECT_LOGGING_EXTRA_LOGGERS=cifar,tasks also sends them to the API.
 
 
@@ -116,60 +124,29 @@ def cifar_pipeline(
     config = with_preset(config)
     workdir = str(resolve_workdir(workdir))
     stages = Stages(workdir, refresh=refresh, fresh=not config.train.resume)
-    summary: dict[str, Any] = {
-        "preset": config.preset,
-        "until": until,
-        "workdir": workdir,
-        "config": config.model_dump(mode="json"),
-        "keys": {},
-    }
 
     archive = stages.download(config, workdir)
     dataset = stages.prepare(config, archive, workdir)
-    summary |= {
-        "source": archive.source,
-        "source_sha256": archive.sha256,
-        "data_dir": dataset.data_dir,
-        "manifest": dataset.manifest_path,
-        "counts": dataset.counts,
-    }
-    summary["keys"]["data"] = dataset.key
-
+    results: dict[str, Any] = {"data": dataset}
+    summary: dict[str, Any] = {"preset": config.preset, "until": until, "workdir": workdir}
+    summary |= {"config": config.model_dump(mode="json"), "source": archive.source, "source_sha256": archive.sha256}
+    summary |= {"manifest": dataset.manifest_path, **dataset.model_dump(include={"data_dir", "counts"})}
     if reaches(until, "train"):
-        training = stages.train(config, dataset, workdir)
+        training = results["train"] = stages.train(config, dataset, workdir)
         summary |= training.model_dump(exclude={"key", "reused"})
-        summary["keys"]["train"] = training.key
         summary["mlflow_run_url"] = mlflow_run_url(training.tracking_uri, training.mlflow_run_id)
-
     if reaches(until, "evaluate"):
-        evaluation = stages.evaluate(config, dataset, training, workdir)
-        summary |= evaluation.model_dump(
-            include={
-                "test_accuracy",
-                "test_loss",
-                "flip_tta_accuracy",
-                "tta_accuracy",
-                "metrics_path",
-                "predictions_path",
-            }
-        )
-        summary |= {"evaluated_epoch": evaluation.epoch}
-        summary["keys"]["evaluate"] = evaluation.key
-
+        evaluation = results["evaluate"] = stages.evaluate(config, dataset, training, workdir)
+        summary |= evaluation.model_dump(include=EVALUATION_FIELDS) | {"evaluated_epoch": evaluation.epoch}
     if reaches(until, "export"):
-        export = stages.export(config, dataset, training, evaluation, workdir)
-        summary |= {
-            "export_dir": export.export_dir,
-            "export_version": export.version,
-            "verified_accuracy": export.verified_accuracy,
-        }
-        summary["keys"]["export"] = export.key
+        export = results["export"] = stages.export(config, dataset, training, evaluation, workdir)
+        summary |= {"export_dir": export.export_dir, "export_version": export.version}
+        summary["verified_accuracy"] = export.verified_accuracy
         if config.export.register_model:
-            promotion = stages.register(config, training, evaluation, export)
+            promotion = results["register"] = stages.register(config, training, evaluation, export)
             summary |= promotion.model_dump(exclude={"key", "reused", "test_accuracy", "reason"})
             summary["promotion_reason"] = promotion.reason
-            summary["keys"]["register"] = promotion.key
-
+    summary["keys"] = {stage: result.key for stage, result in results.items()}
     summary["task_states"] = stages.states
     summary["summary_path"] = write_summary(summary, workdir)
     publish_report(summary)
@@ -242,38 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: python flows/pipeline.py --source cifar-10-python.tar.gz --preset smoke "
         "--set train.epochs=3 --until evaluate",
     )
-    parser.add_argument(
-        "--source",
-        help="http(s)/file:// URL or local path of the CIFAR-10 archive (default: the official python archive)",
-    )
-    parser.add_argument("--sha256", help="expected SHA-256 of the archive (hex)")
-    parser.add_argument("--md5", help="expected MD5 of the archive (hex); official URLs default to the published one")
-    parser.add_argument("--workdir", default="./workdir", help="where data, runs, exports and summary.json go")
-    parser.add_argument("--preset", default="default", choices=sorted(PRESETS), help="named set of settings")
-    parser.add_argument(
-        "--until",
-        default="export",
-        choices=STAGES,
-        help="last stage to run (export includes registering and promotion)",
-    )
-    parser.add_argument("--refresh", action="store_true", help="recompute every stage instead of using cached results")
+    add = parser.add_argument
+    add("--source", help="http(s)/file:// URL or local path of the archive (default: the official one)")
+    add("--sha256", help="expected SHA-256 of the archive (hex)")
+    add("--md5", help="expected MD5 of the archive (hex); official URLs default to the published one")
+    add("--workdir", default="./workdir", help="where data, runs, exports and summary.json go")
+    add("--preset", default="default", choices=sorted(PRESETS), help="named set of settings")
+    add("--until", default="export", choices=STAGES, help="last stage to run (export includes registering)")
+    add("--refresh", action="store_true", help="recompute every stage, even where finished work exists")
     resume = parser.add_mutually_exclusive_group()
-    resume.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the same training run from its last completed epoch (the default)",
-    )
-    resume.add_argument(
-        "--fresh",
-        action="store_true",
-        help="discard that run's checkpoints and train from scratch (train.resume=false)",
-    )
-    parser.add_argument(
-        "--set",
-        action="append",
-        metavar="SECTION.FIELD=VALUE",
-        help="override one config field, e.g. --set train.epochs=3 (repeatable; values parse as JSON)",
-    )
+    resume.add_argument("--resume", action="store_true", help="continue the training run (the default)")
+    resume.add_argument("--fresh", action="store_true", help="discard the run's checkpoints (train.resume=false)")
+    help_set = "override one config field, e.g. --set train.epochs=3 (repeatable; values parse as JSON)"
+    add("--set", action="append", metavar="SECTION.FIELD=VALUE", help=help_set)
     return parser
 
 

@@ -1,13 +1,9 @@
 """Prefect's cache as a thin layer over the library's reuse rule (`cifar.reuse`).
 
-A task's cache key is its stage's key, computed by the library from the task's inputs, and a cached
-result is returned only while the library would still reuse it (its files are in place under that
-key); otherwise the record is expired and the task runs, which lets the library decide again. So
-Prefect never reuses anything the library would not: the cache only saves starting the stage (and
-importing TensorFlow) and shows the task as Cached in the UI.
-
-Results are persisted as JSON under `WORKDIR/prefect-results/`, so a new process (or a worker on the
-same machine) finds them.
+A task's cache key is its stage's key, computed by the library from the task's inputs; a cached
+result is returned only while the library would still reuse it, otherwise the record is expired and
+the task runs (and the library decides). The cache saves starting a stage (and importing TensorFlow)
+and shows the task as Cached. Records are JSON under `WORKDIR/prefect-results/`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ from cifar.workdir import find_export
 from tasks.caching import stage_task
 
 
+def logged_to(training: TrainResult) -> dict[str, str | None]:
+    """Where the stages after training log: the training's MLflow run, in its store."""
+    return {"mlflow_run_id": training.mlflow_run_id, "tracking_uri": training.tracking_uri}
+
+
 @stage_task(
     "evaluate",
     key_fn=lambda config, dataset, training, **_: evaluation_key(
@@ -26,15 +31,7 @@ def evaluate_model(
     """Evaluates the best checkpoint (by validation accuracy) on the test split."""
     from cifar.evaluate import evaluate
 
-    return evaluate(
-        config,
-        dataset.data_dir,
-        training.checkpoint_dir,
-        workdir,
-        refresh=refresh,
-        mlflow_run_id=training.mlflow_run_id,
-        tracking_uri=training.tracking_uri,
-    )
+    return evaluate(config, dataset.data_dir, training.checkpoint_dir, workdir, refresh=refresh, **logged_to(training))
 
 
 @stage_task(
@@ -53,15 +50,9 @@ def export_model(
     """Exports the evaluated checkpoint as a verified SavedModel version (an earlier one of the same key is kept)."""
     from cifar.export import export_model as export_saved_model
 
+    data_dir, checkpoint_dir = dataset.data_dir, training.checkpoint_dir
     return export_saved_model(
-        config,
-        dataset.data_dir,
-        training.checkpoint_dir,
-        workdir,
-        evaluation,
-        refresh=refresh,
-        mlflow_run_id=training.mlflow_run_id,
-        tracking_uri=training.tracking_uri,
+        config, data_dir, checkpoint_dir, workdir, evaluation, refresh=refresh, **logged_to(training)
     )
 
 
@@ -77,10 +68,4 @@ def register_model(
     """Registers the export in MLflow and moves the champion alias only if it passes the gate."""
     from cifar.registry import register_and_promote
 
-    return register_and_promote(
-        config,
-        export,
-        evaluation.test_accuracy,
-        mlflow_run_id=training.mlflow_run_id,
-        tracking_uri=training.tracking_uri,
-    )
+    return register_and_promote(config, export, evaluation.test_accuracy, **logged_to(training))

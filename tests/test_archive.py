@@ -6,7 +6,6 @@ import io
 import os
 import pickle
 import tarfile
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,6 @@ import pytest
 from cifar.data import archive as archive_module
 from cifar.data.archive import (
     CorruptArchiveError,
-    ReadCancelledError,
     RestrictedUnpickler,
     UnknownLayoutError,
     UnsafeArchiveError,
@@ -319,13 +317,6 @@ def test_a_file_that_is_not_an_archive_is_reported_as_corrupt(tmp_path):
     path.write_bytes(b"\x1f\x8b" + bytes(range(256)) * 8)  # A gzip magic number, then garbage.
     with pytest.raises(CorruptArchiveError, match="archive is truncated or corrupt"):
         read_archive(path)
-
-
-def test_a_read_can_be_cancelled(python_archive):
-    stop = threading.Event()
-    stop.set()
-    with pytest.raises(ReadCancelledError, match="cancelled"):
-        read_archive(python_archive, stop=stop)
 
 
 def test_the_standard_library_gzip_path_reads_the_same_and_reports_truncation(python_archive, tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from cifar import schedules
 from cifar.callbacks import Lookahead
-from cifar.config import DataConfig, make_config
+from cifar.config import DataConfig, TrainConfig, make_config
 from cifar.data.prepare import prepare_data
 from cifar.evaluate import translated, tta_logits
 from cifar.input_pipeline import alternating_flips, make_train_dataset, random_crop_flip
@@ -71,16 +71,16 @@ def test_grouped_sgd_stops_a_group_dead_after_its_last_step():
 
 
 def test_onecycle_starts_and_ends_at_fractions_of_the_peak():
-    schedule = schedules.make_schedule(
-        "onecycle",
+    train = TrainConfig(
+        schedule="onecycle",
         learning_rate=0.1875,
         batch_size=1024,
-        steps_per_epoch=48,
         epochs=10,
         warmup_epochs=2.3,
-        initial_factor=0.2,
-        final_factor=0.07,
+        warmup_initial_factor=0.2,
+        final_learning_rate_factor=0.07,
     )
+    schedule = schedules.make_schedule(train, steps_per_epoch=48)
     peak = 1.5  # 0.1875 * 1024 / 128.
     warmup_steps = round(2.3 * 48)
     assert float(schedule(0)) == pytest.approx(peak * (0.2 + 0.8 / warmup_steps), rel=1e-5)

@@ -14,7 +14,7 @@ import pytest
 from cifar import schedules
 from cifar.callbacks import TrainingDivergedError
 from cifar.checkpoints import CheckpointEntry, CheckpointIndex, append_epoch, load_eval_model, load_index, updated_index
-from cifar.config import DataConfig, make_config
+from cifar.config import DataConfig, TrainConfig, make_config
 from cifar.data.prepare import prepare_data
 from cifar.models import build_model
 from cifar.reuse import training_key
@@ -163,24 +163,25 @@ def test_default_run_name_is_stable_and_ignores_resume_and_run_name():
     )
 
 
+def make_schedule(name: str, *, steps_per_epoch: int, **fields):
+    """A schedule from training settings, as training builds it."""
+    return schedules.make_schedule(TrainConfig(schedule=name, **fields), steps_per_epoch)
+
+
 def test_schedules_follow_their_recipes():
     steps, epochs = 10, 164
-    piecewise = schedules.make_schedule(
-        "piecewise", learning_rate=0.1, batch_size=256, steps_per_epoch=steps, epochs=epochs
-    )
+    piecewise = make_schedule("piecewise", learning_rate=0.1, batch_size=256, steps_per_epoch=steps, epochs=epochs)
     peak = 0.2  # Linear scaling: 0.1 at batch 128 -> 0.2 at batch 256.
     for epoch, multiplier in [(0, 1.0), (81, 1.0), (82, 0.1), (122, 0.1), (123, 0.01), (150, 0.002), (163, 0.002)]:
         assert math.isclose(float(piecewise(epoch * steps)), peak * multiplier, rel_tol=1e-5), epoch
 
-    cosine = schedules.make_schedule(
-        "cosine", learning_rate=0.1, batch_size=128, steps_per_epoch=10, epochs=10, warmup_epochs=1
-    )
+    cosine = make_schedule("cosine", learning_rate=0.1, batch_size=128, steps_per_epoch=10, epochs=10, warmup_epochs=1)
     assert float(cosine(0)) == pytest.approx(0.01)  # First warm-up step.
     assert float(cosine(10)) == pytest.approx(0.1)
     assert float(cosine(55)) == pytest.approx(0.05)
     assert float(cosine(100)) == pytest.approx(0.0, abs=1e-7)
 
-    onecycle = schedules.make_schedule(
+    onecycle = make_schedule(
         "onecycle", learning_rate=0.4, batch_size=512, steps_per_epoch=10, epochs=10, warmup_epochs=2
     )
     values = [float(onecycle(step)) for step in range(100)]
@@ -189,13 +190,18 @@ def test_schedules_follow_their_recipes():
     assert float(onecycle(100)) == pytest.approx(0.0, abs=1e-7)
     assert all(later <= earlier for earlier, later in zip(values[19:], values[20:]))
 
-    constant = schedules.make_schedule("constant", learning_rate=0.05, batch_size=64, steps_per_epoch=5, epochs=2)
+    constant = make_schedule("constant", learning_rate=0.05, batch_size=64, steps_per_epoch=5, epochs=2)
     assert {round(float(constant(step)), 7) for step in range(10)} == {0.025}
 
     restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(onecycle))
     assert float(restored(30)) == pytest.approx(float(onecycle(30)))
     with pytest.raises(ValueError, match="unknown schedule"):
-        schedules.make_schedule("step", learning_rate=0.1, batch_size=128, steps_per_epoch=1, epochs=1)
+        schedules.make_schedule(
+            TrainConfig.model_construct(
+                schedule="step", learning_rate=0.1, batch_size=128, epochs=1, warmup_epochs=0.0
+            ),
+            1,
+        )
 
 
 def _entry(epoch: int, accuracy: float | None) -> CheckpointEntry:

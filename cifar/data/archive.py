@@ -16,10 +16,9 @@ Two official layouts are understood:
   pixel bytes) and `batches.meta.txt` (one class name per line).
 
 A row of 3,072 bytes is the red plane, then green, then blue (1,024 bytes each, row-major);
-`RawDataset` holds images in HWC order, the layout every later stage uses.
-`read_archive` reads the members straight from the tar into memory (one pass, no temporary files;
-gzip is inflated by ISA-L when the `isal` package is installed); `safe_extract` is the same checks
-applied to writing the members to a directory.
+`RawDataset` holds images in HWC order, the layout every later stage uses. `read_archive` reads the
+members straight from the tar into memory (one pass, no temporary files; gzip is inflated by ISA-L
+when `isal` is installed); `safe_extract` applies the same checks while writing them to a directory.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import io
 import pickle
 import shutil
 import tarfile
-import threading
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -74,6 +72,12 @@ TRAIN_FILES = {
 }
 TEST_FILE = {PYTHON_LAYOUT: "test_batch", BINARY_LAYOUT: "test_batch.bin"}
 META_FILE = {PYTHON_LAYOUT: "batches.meta", BINARY_LAYOUT: "batches.meta.txt"}
+NEEDED_FILES = {layout: (*TRAIN_FILES[layout], TEST_FILE[layout], META_FILE[layout]) for layout in LAYOUT_DIRECTORIES}
+# The members either layout reads, as 'directory/name'; any other member is checked, then skipped.
+WANTED_MEMBERS = frozenset(
+    f"{LAYOUT_DIRECTORIES[layout]}/{name}" for layout in NEEDED_FILES for name in NEEDED_FILES[layout]
+)
+MEMBER_KINDS = {tarfile.CHRTYPE: "character device", tarfile.BLKTYPE: "block device", tarfile.FIFOTYPE: "fifo"}
 
 
 class UnsafeArchiveError(ValueError):
@@ -90,10 +94,6 @@ class UnsafePickleError(ValueError):
 
 class UnknownLayoutError(ValueError):
     """The archive holds neither official CIFAR-10 layout (or is missing some of its files)."""
-
-
-class ReadCancelledError(Exception):
-    """The caller set the `stop` event while the archive was being read."""
 
 
 @dataclass(frozen=True)
@@ -114,34 +114,22 @@ class RawDataset:
 def check_member(member: tarfile.TarInfo, total_bytes: int = 0) -> None:
     """Raises UnsafeArchiveError unless `member` is a plain file or directory that stays inside the target."""
     name = member.name
-    path = PurePosixPath(name)
-    if not name or name.startswith(("/", "\\")) or path.is_absolute() or (len(name) > 1 and name[1] == ":"):
+    if not name or name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
         raise UnsafeArchiveError(f"archive member {name!r} has an absolute path")
-    if ".." in path.parts or ".." in PurePosixPath(name.replace("\\", "/")).parts:
+    # Backslashes count as separators too, so 'a\..\b' is caught as well as 'a/../b'.
+    if ".." in PurePosixPath(name.replace("\\", "/")).parts:
         raise UnsafeArchiveError(f"archive member {name!r} contains '..' and could escape the target directory")
     if member.issym() or member.islnk():
         raise UnsafeArchiveError(f"archive member {name!r} is a link to {member.linkname!r}; links are not allowed")
     if not (member.isfile() or member.isdir()):
-        raise UnsafeArchiveError(
-            f"archive member {name!r} is a {_member_kind(member)}; only files and directories are allowed"
-        )
+        kind = MEMBER_KINDS.get(member.type, f"member of type {member.type!r}")
+        raise UnsafeArchiveError(f"archive member {name!r} is a {kind}; only files and directories are allowed")
     if member.size > MAX_MEMBER_BYTES:
         raise UnsafeArchiveError(
             f"archive member {name!r} is {member.size:,} bytes, over the {MAX_MEMBER_BYTES:,} byte limit"
         )
     if total_bytes + member.size > MAX_TOTAL_BYTES:
         raise UnsafeArchiveError(f"archive member {name!r} takes the archive over {MAX_TOTAL_BYTES:,} unpacked bytes")
-
-
-def _member_kind(member: tarfile.TarInfo) -> str:
-    """A readable name for a tar member's type."""
-    if member.ischr():
-        return "character device"
-    if member.isblk():
-        return "block device"
-    if member.isfifo():
-        return "fifo"
-    return f"member of type {member.type!r}"
 
 
 @contextlib.contextmanager
@@ -166,7 +154,6 @@ def _scan_archive(
     archive_path: str | Path,
     on_file: Callable[[tarfile.TarInfo, io.BufferedReader], None],
     on_directory: Callable[[tarfile.TarInfo], None] = lambda member: None,
-    stop: threading.Event | None = None,
 ) -> None:
     """Streams the archive once, checking every member before handing its bytes to the callbacks."""
     archive_path = Path(archive_path)
@@ -177,8 +164,6 @@ def _scan_archive(
     try:
         with _open_tar_stream(archive_path) as archive:
             for count, member in enumerate(archive, start=1):
-                if stop is not None and stop.is_set():
-                    raise ReadCancelledError(f"reading {archive_path} was cancelled")
                 if count > MAX_MEMBERS:
                     raise UnsafeArchiveError(f"archive has more than {MAX_MEMBERS:,} members (at {member.name!r})")
                 check_member(member, total_bytes)
@@ -216,9 +201,6 @@ def safe_extract(archive_path: str | Path, target_dir: str | Path) -> Path:
                 raise UnsafeArchiveError(f"archive member {member.name!r} resolves outside {target}")
             return path
 
-        def write_directory(member: tarfile.TarInfo) -> None:
-            destination(member).mkdir(parents=True, exist_ok=True)
-
         def write_file(member: tarfile.TarInfo, reader: io.BufferedReader) -> None:
             path = destination(member)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -226,7 +208,7 @@ def safe_extract(archive_path: str | Path, target_dir: str | Path) -> Path:
             with open(path, "xb") as handle:
                 shutil.copyfileobj(reader, handle, 1 << 20)
 
-        _scan_archive(archive_path, write_file, write_directory)
+        _scan_archive(archive_path, write_file, lambda member: destination(member).mkdir(parents=True, exist_ok=True))
     return target
 
 
@@ -294,11 +276,6 @@ def _text_keys(value: Any, name: str) -> dict[str, Any]:
     return {key.decode("latin-1") if isinstance(key, bytes) else str(key): item for key, item in value.items()}
 
 
-def _text(value: Any) -> Any:
-    """Decodes bytes to str (class names in the official pickles are bytes)."""
-    return value.decode("utf-8") if isinstance(value, bytes) else value
-
-
 # Layout readers: member bytes in, validated rows and labels out.
 
 
@@ -316,7 +293,8 @@ def _python_class_names(data: bytes, name: str) -> list[str]:
     names = meta["label_names"]
     if not isinstance(names, (list, tuple)):
         raise InvalidDatasetError(f"{name}: label_names is a {type(names).__name__}, expected a list")
-    return validate_class_names(name, [_text(item) for item in names])
+    # Class names in the official pickles are bytes.
+    return validate_class_names(name, [item.decode("utf-8") if isinstance(item, bytes) else item for item in names])
 
 
 def _binary_batch(data: bytes, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -355,10 +333,6 @@ def rows_to_images(batches: list[np.ndarray]) -> np.ndarray:
     return images.reshape(total, 32, 32, 3)
 
 
-def _needed_files(layout: str) -> list[str]:
-    return [*TRAIN_FILES[layout], TEST_FILE[layout], META_FILE[layout]]
-
-
 def detect_layout(names: list[str] | set[str]) -> str:
     """The layout whose directory holds files among `names` (paths like 'cifar-10-batches-py/test_batch')."""
     found = [
@@ -379,64 +353,39 @@ def detect_layout(names: list[str] | set[str]) -> str:
 def parse_layout(files: Mapping[str, bytes], layout: str) -> RawDataset:
     """Builds the RawDataset from a layout's files (`files` maps 'dir/name' -> bytes)."""
     directory = LAYOUT_DIRECTORIES[layout]
-    missing = [name for name in _needed_files(layout) if f"{directory}/{name}" not in files]
+    missing = [name for name in NEEDED_FILES[layout] if f"{directory}/{name}" not in files]
     if missing:
         raise UnknownLayoutError(f"{directory}/ is missing {', '.join(missing)}")
-    read_batch = BATCH_READERS[layout]
-    train = [read_batch(files[f"{directory}/{name}"], f"{directory}/{name}") for name in TRAIN_FILES[layout]]
-    test_name = f"{directory}/{TEST_FILE[layout]}"
-    test_rows, test_labels = read_batch(files[test_name], test_name)
-    meta_name = f"{directory}/{META_FILE[layout]}"
-    class_names = CLASS_NAME_READERS[layout](files[meta_name], meta_name)
+    read = lambda reader, name: reader(files[f"{directory}/{name}"], f"{directory}/{name}")
+    train = [read(BATCH_READERS[layout], name) for name in TRAIN_FILES[layout]]
+    test_rows, test_labels = read(BATCH_READERS[layout], TEST_FILE[layout])
     return RawDataset(
         train_images=rows_to_images([rows for rows, _ in train]),
         train_labels=np.concatenate([labels for _, labels in train]),
         test_images=rows_to_images([test_rows]),
         test_labels=test_labels,
-        class_names=class_names,
+        class_names=read(CLASS_NAME_READERS[layout], META_FILE[layout]),
         layout=layout,
     )
 
 
-def _wanted(name: str) -> bool:
-    """Whether a member is one of the files either layout reads (others are checked, then skipped)."""
-    parts = PurePosixPath(name).parts
-    return len(parts) == 2 and any(
-        parts[0] == directory and parts[1] in _needed_files(layout) for layout, directory in LAYOUT_DIRECTORIES.items()
-    )
-
-
-def read_archive(archive_path: str | Path, *, stop: threading.Event | None = None) -> RawDataset:
-    """Reads a CIFAR-10 archive in either official layout straight from the tar, checking every member.
-
-    Setting `stop` from another thread ends the read with ReadCancelledError at the next member.
-    """
+def read_archive(archive_path: str | Path) -> RawDataset:
+    """Reads a CIFAR-10 archive in either official layout straight from the tar, checking every member."""
     files: dict[str, bytes] = {}
 
     def keep(member: tarfile.TarInfo, reader: io.BufferedReader) -> None:
-        if _wanted(member.name):
-            files[str(PurePosixPath(member.name))] = reader.read()
+        name = str(PurePosixPath(member.name))
+        if name in WANTED_MEMBERS:
+            files[name] = reader.read()
 
-    _scan_archive(archive_path, keep, stop=stop)
-    if stop is not None and stop.is_set():
-        raise ReadCancelledError(f"reading {archive_path} was cancelled")
+    _scan_archive(archive_path, keep)
     return parse_layout(files, detect_layout(set(files)))
 
 
 def read_directory(directory: str | Path) -> RawDataset:
     """Reads an extracted archive (the folder holding `cifar-10-batches-py/` or `cifar-10-batches-bin/`)."""
     directory = Path(directory)
-    present = {
-        f"{folder}/{name}"
-        for layout, folder in LAYOUT_DIRECTORIES.items()
-        for name in _needed_files(layout)
-        if (directory / folder / name).is_file()
-    }
+    present = {name for name in WANTED_MEMBERS if (directory / name).is_file()}
+    # detect_layout rejects both layouts at once, so every present file belongs to the one detected.
     layout = detect_layout(present)
-    folder = LAYOUT_DIRECTORIES[layout]
-    files = {
-        f"{folder}/{name}": (directory / folder / name).read_bytes()
-        for name in _needed_files(layout)
-        if (directory / folder / name).is_file()
-    }
-    return parse_layout(files, layout)
+    return parse_layout({name: (directory / name).read_bytes() for name in present}, layout)

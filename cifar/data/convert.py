@@ -37,7 +37,7 @@ logger = logging.getLogger("cifar.data")
 SPLITS = ("train", "validation", "test")
 MAX_WRITER_THREADS = 4  # File writes and hashlib release the GIL, so a few shards can be written at once.
 
-ShardCallback = Callable[[str, Shard], None]
+ShardCallback = Callable[[int, int], None]  # (shards written so far, shards in all)
 
 
 def _varint(value: int) -> bytes:
@@ -151,18 +151,14 @@ def write_shard(path: Path, records: np.ndarray) -> Shard:
     records = np.ascontiguousarray(records)
     with open(path, "wb") as handle:
         handle.write(records.data)
-    return Shard(
-        path=path.name,
-        sha256=hashlib.sha256(records.data).hexdigest(),
-        num_examples=len(records),
-        num_bytes=records.nbytes,
-    )
+    digest = hashlib.sha256(records.data).hexdigest()
+    return Shard(path=path.name, sha256=digest, num_examples=len(records), num_bytes=records.nbytes)
 
 
 def convert_dataset(
     dataset: RawDataset, config: DataConfig, output_dir: str | Path, on_shard: ShardCallback | None = None
 ) -> dict[str, Split]:
-    """Writes every split's shards into `output_dir` and returns the manifest's split entries."""
+    """Writes every split's shards into `output_dir` (a few at once) and returns the manifest's split entries."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     shard_counts = {"train": config.train_shards, "validation": config.validation_shards, "test": config.test_shards}
@@ -174,20 +170,13 @@ def convert_dataset(
         for index, (start, stop) in enumerate(bounds):
             jobs.append((split, output_dir / shard_name(split, index, len(bounds)), records[start:stop]))
         splits[split] = Split(num_examples=len(labels), class_counts=class_counts(labels), shards=[])
-    shards = _write_shards(jobs, on_shard)
-    # Shards are listed in job order (split, then index), whatever order the threads finished in.
-    for (split, _, _), shard in zip(jobs, shards):
-        splits[split].shards.append(shard)
-    return splits
-
-
-def _write_shards(jobs: list[tuple[str, Path, np.ndarray]], on_shard: ShardCallback | None) -> list[Shard]:
-    """Writes the shards on a few threads, reporting each as it finishes."""
     with ThreadPoolExecutor(max_workers=min(MAX_WRITER_THREADS, max(1, len(jobs)))) as executor:
         futures = [executor.submit(write_shard, path, records) for _, path, records in jobs]
-        for (split, _, _), future in zip(jobs, futures):
+        # Shards are listed in job order (split, then index), whatever order the threads finished in.
+        for written, ((split, _, _), future) in enumerate(zip(jobs, futures), start=1):
             shard = future.result()
             logger.info("Wrote %s (%d examples, %.1f MB)", shard.path, shard.num_examples, shard.num_bytes / 1e6)
+            splits[split].shards.append(shard)
             if on_shard is not None:
-                on_shard(split, shard)
-        return [future.result() for future in futures]
+                on_shard(written, len(jobs))
+    return splits

@@ -10,14 +10,13 @@ Sources are an http(s) URL, a `file://` URL or a plain local path (`~` expanded)
   429 answers are retried with exponential backoff and jitter, resuming with an HTTP `Range` request
   from the size of the `.part` file (or restarting from zero when the server ignores `Range`).
   Other 4xx answers fail at once.
-- The finished `.part` is hashed once (SHA-256 and MD5); only when it matches is it renamed to its
-  final name with `os.replace`, so a file with the final name is always a verified archive. A final
-  file that already matches is reused without any network access.
+- The finished `.part` is hashed once (SHA-256 and MD5) and renamed to its final name with
+  `os.replace` only when it matches, so nothing half-written or unverified ever holds the final name.
+  A final file that already matches is reused without any network access.
 
-Nothing half-written keeps the final name. After a checksum mismatch the `.part` is deleted. After a
-transfer that ran out of retries (or was interrupted by an exception such as Ctrl-C) the `.part` is
-deliberately kept, so the next call resumes it instead of starting over; if a resumed `.part` then
-fails verification, it is discarded and downloaded once more from zero.
+After a checksum mismatch the `.part` is deleted. After a transfer that ran out of retries (or was
+interrupted by an exception such as Ctrl-C) it is deliberately kept, so the next call resumes it
+instead of starting over; a resumed `.part` that then fails verification is downloaded again from zero.
 """
 
 from __future__ import annotations
@@ -98,25 +97,32 @@ def fetch_archive(
     source = os.fspath(source).strip()
     if not source:
         raise ValueError("source is empty: pass an http(s) URL, a file:// URL or a local path")
-    _check_settings(retries, backoff_seconds, timeout_seconds)
-    expected = {"sha256": normalise_digest("sha256", sha256), "md5": normalise_digest("md5", md5)}
-    expected = {algorithm: digest for algorithm, digest in expected.items() if digest is not None}
+    if retries < 0:
+        raise ValueError(f"retries must be >= 0, got {retries}")
+    if backoff_seconds < 0:
+        raise ValueError(f"backoff_seconds must be >= 0, got {backoff_seconds}")
+    if timeout_seconds <= 0:
+        raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds}")
+    given = (("sha256", sha256), ("md5", md5))
+    expected = {algorithm: normalise_digest(algorithm, digest) for algorithm, digest in given if digest is not None}
 
     scheme = urllib.parse.urlsplit(source).scheme.lower()
-    if scheme in {"http", "https"}:
-        return _fetch_remote(
-            source,
-            Path(downloads_dir),
-            expected_checksums(source, **expected),
-            retries=retries,
-            progress=progress,
-            backoff_seconds=backoff_seconds,
-            timeout_seconds=timeout_seconds,
-        )
     # A one-letter "scheme" is a Windows drive letter, not a URL.
     if scheme in {"", "file"} or len(scheme) == 1:
         return _verify_local(source, expected)
-    raise ValueError(f"unsupported source {source!r}: expected an http(s) URL, a file:// URL or a local path")
+    if scheme not in {"http", "https"}:
+        raise ValueError(f"unsupported source {source!r}: expected an http(s) URL, a file:// URL or a local path")
+    expected = expected_checksums(source, **expected)
+    final = Path(downloads_dir).expanduser().resolve() / _file_name(source)
+    digests = _reusable_digests(final, source, expected)
+    if digests is None:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        part = final.with_name(final.name + ".part")
+        transfer = _Transfer(source, part, _ProgressReporter(source, progress), timeout_seconds)
+        digests = _download_and_verify(transfer, expected, retries, backoff_seconds)
+        os.replace(part, final)  # Atomic: the final name only ever holds a verified archive.
+        logger.info("Downloaded and verified %s -> %s", source, final)
+    return ArchiveInfo(path=str(final), source=source, **digests)
 
 
 def expected_checksums(url: str, sha256: str | None = None, md5: str | None = None) -> dict[str, str]:
@@ -130,16 +136,6 @@ def expected_checksums(url: str, sha256: str | None = None, md5: str | None = No
         f"no checksum for {url}: a download from a mirror must be verified, so pass its sha256 or md5 "
         "(data.sha256 / data.md5 in the configuration)"
     )
-
-
-def _check_settings(retries: int, backoff_seconds: float, timeout_seconds: float) -> None:
-    """Rejects retry and timeout settings that cannot work."""
-    if retries < 0:
-        raise ValueError(f"retries must be >= 0, got {retries}")
-    if backoff_seconds < 0:
-        raise ValueError(f"backoff_seconds must be >= 0, got {backoff_seconds}")
-    if timeout_seconds <= 0:
-        raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds}")
 
 
 def _verify(path: Path, source: str, expected: dict[str, str]) -> dict[str, str]:
@@ -169,15 +165,11 @@ def _verify_local(source: str, expected: dict[str, str]) -> ArchiveInfo:
     path = _local_path(source)
     if not path.is_file():
         raise FileNotFoundError(f"archive {source!r} not found: {path} is not a file")
-    digests = _verify(path, source, expected)
+    info = ArchiveInfo(path=str(path), source=source, **_verify(path, source, expected))
     if not expected:
-        logger.warning(
-            "No checksum given for local archive %s: accepting it unverified (sha256 %s, md5 %s)",
-            path,
-            digests["sha256"],
-            digests["md5"],
-        )
-    return ArchiveInfo(path=str(path), sha256=digests["sha256"], md5=digests["md5"], source=source)
+        message = "No checksum given for local archive %s: accepting it unverified (sha256 %s, md5 %s)"
+        logger.warning(message, path, info.sha256, info.md5)
+    return info
 
 
 # Remote sources.
@@ -189,29 +181,6 @@ def _file_name(url: str) -> str:
     if name in {"", ".", ".."} or "/" in name or "\\" in name:
         raise ValueError(f"cannot derive a file name from {url!r}: the URL path must end in the archive's name")
     return name
-
-
-def _fetch_remote(
-    url: str,
-    downloads_dir: Path,
-    expected: dict[str, str],
-    *,
-    retries: int,
-    progress: ProgressCallback | None,
-    backoff_seconds: float,
-    timeout_seconds: float,
-) -> ArchiveInfo:
-    """Reuses a verified final file, or downloads, verifies and atomically publishes a fresh one."""
-    final = downloads_dir.expanduser().resolve() / _file_name(url)
-    digests = _reusable_digests(final, url, expected)
-    if digests is None:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        part = final.with_name(final.name + ".part")
-        transfer = _Transfer(url, part, _ProgressReporter(url, progress), timeout_seconds)
-        digests = _download_and_verify(transfer, expected, retries, backoff_seconds)
-        os.replace(part, final)  # Atomic: the final name only ever holds a verified archive.
-        logger.info("Downloaded and verified %s -> %s", url, final)
-    return ArchiveInfo(path=str(final), sha256=digests["sha256"], md5=digests["md5"], source=url)
 
 
 def _reusable_digests(final: Path, url: str, expected: dict[str, str]) -> dict[str, str] | None:
@@ -230,26 +199,19 @@ def _reusable_digests(final: Path, url: str, expected: dict[str, str]) -> dict[s
 def _download_and_verify(
     transfer: _Transfer, expected: dict[str, str], retries: int, backoff_seconds: float
 ) -> dict[str, str]:
-    """Completes the .part and verifies it; a resumed .part that fails gets one fresh download."""
-    if transfer.part.is_file() and transfer.part.stat().st_size > 0:
-        # Bytes kept from an earlier call may belong to another file: worth one try from zero.
+    """Completes and verifies the .part, deleting it on a mismatch; a resumed one that fails gets one fresh try."""
+    # Bytes kept from an earlier call may belong to another file: worth one try from zero.
+    resumed = transfer.part.is_file() and transfer.part.stat().st_size > 0
+    while True:
+        _with_retries(transfer.run, transfer.url, retries, backoff_seconds)
         try:
-            return _complete_and_verify(transfer, expected, retries, backoff_seconds)
+            return _verify(transfer.part, transfer.url, expected)
         except ChecksumMismatchError as error:
+            transfer.part.unlink(missing_ok=True)
+            if not resumed:
+                raise
+            resumed = False
             logger.warning("Resumed download failed verification (%s); downloading again from zero", error)
-    return _complete_and_verify(transfer, expected, retries, backoff_seconds)
-
-
-def _complete_and_verify(
-    transfer: _Transfer, expected: dict[str, str], retries: int, backoff_seconds: float
-) -> dict[str, str]:
-    """Runs the transfer to the end and verifies the .part, deleting it on a mismatch."""
-    _with_retries(transfer.run, transfer.url, retries, backoff_seconds)
-    try:
-        return _verify(transfer.part, transfer.url, expected)
-    except ChecksumMismatchError:
-        transfer.part.unlink(missing_ok=True)
-        raise
 
 
 def _with_retries(action: Callable[[], None], url: str, retries: int, backoff_seconds: float) -> None:
@@ -273,9 +235,7 @@ def _backoff_delay(attempt: int, backoff_seconds: float, retry_after: float | No
     """Exponential backoff with jitter (50-100% of the step), at least the server's Retry-After, capped."""
     step = min(backoff_seconds * 2**attempt, MAX_BACKOFF_SECONDS)
     delay = step * random.uniform(0.5, 1.0)  # Jitter keeps many clients from retrying in lockstep.
-    if retry_after is not None:
-        delay = max(delay, retry_after)
-    return min(delay, MAX_BACKOFF_SECONDS)
+    return min(max(delay, retry_after or 0.0), MAX_BACKOFF_SECONDS)
 
 
 def _retry_after_seconds(value: str | None) -> float | None:
@@ -307,8 +267,12 @@ class _Transfer:
     def run(self) -> None:
         """Sends one request and appends the body to the .part; raises _RetryableError on transient faults."""
         offset = self.part.stat().st_size if self.part.is_file() else 0
+        headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
+        if offset:
+            headers["Range"] = f"bytes={offset}-"  # Resume where the .part ends.
         try:
-            with self._open(offset) as response:
+            request = urllib.request.Request(self.url, headers=headers)
+            with urllib.request.urlopen(request, timeout=self.timeout_seconds) as response:
                 offset, total = self._start_offset(response, offset)
                 self._stream(response, offset, total)
         except urllib.error.HTTPError as error:
@@ -328,14 +292,6 @@ class _Transfer:
             # Connection refused or reset, timeout, truncated body: all worth a retry.
             # Local file errors (a full disk) are plain OSErrors and propagate unchanged.
             raise _RetryableError(f"{type(error).__name__}: {reason}") from error
-
-    def _open(self, offset: int) -> http.client.HTTPResponse:
-        """Sends the GET, with a Range header when resuming."""
-        headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
-        if offset:
-            headers["Range"] = f"bytes={offset}-"
-        request = urllib.request.Request(self.url, headers=headers)
-        return urllib.request.urlopen(request, timeout=self.timeout_seconds)
 
     def _start_offset(self, response: http.client.HTTPResponse, offset: int) -> tuple[int, int | None]:
         """Where the body starts in the file and the file's total size, truncating the .part if needed."""
@@ -402,13 +358,11 @@ class _ProgressReporter:
         """Reports `done` bytes of `total` when enough has changed since the last report."""
         if self.callback is not None:
             step = total * CALLBACK_EVERY_FRACTION if total else CALLBACK_EVERY_BYTES_UNKNOWN_TOTAL
-            if abs(done - self.last_bytes) >= step or done == total:
-                self._emit(done, total)
-            return
-        step = total * LOG_EVERY_FRACTION if total else float("inf")
-        now = time.monotonic()
-        if abs(done - self.last_bytes) >= step or now - self.last_log_time >= LOG_EVERY_SECONDS or done == total:
-            self.last_log_time = now
+            due = False
+        else:
+            step = total * LOG_EVERY_FRACTION if total else float("inf")
+            due = time.monotonic() - self.last_log_time >= LOG_EVERY_SECONDS
+        if due or abs(done - self.last_bytes) >= step or done == total:
             self._emit(done, total)
 
     def finish(self, done: int) -> None:
@@ -418,6 +372,7 @@ class _ProgressReporter:
 
     def _emit(self, done: int, total: int | None) -> None:
         self.last_bytes = done
+        self.last_log_time = time.monotonic()
         if self.callback is not None:
             self.callback(done, total)
         elif total:

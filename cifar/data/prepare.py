@@ -12,6 +12,7 @@ directory is removed and rebuilt, never returned.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ from cifar.config import DataConfig, resolve_workdir
 from cifar.data.archive import RawDataset, read_archive
 from cifar.data.convert import SPLITS, convert_dataset
 from cifar.data.download import fetch_archive
-from cifar.data.manifest import MANIFEST_NAME, Manifest, Shard, SourceInfo, load_manifest, write_manifest
+from cifar.data.manifest import MANIFEST_NAME, Manifest, SourceInfo, load_manifest, write_manifest
 from cifar.data.stats import channel_statistics, write_class_histogram, write_statistics
 from cifar.data.validate import validate_dataset
 from cifar.io import atomic_directory, file_digest
@@ -50,16 +51,11 @@ class IncompleteDataError(ValueError):
     """A data directory is missing files, or a file differs from what its manifest records."""
 
 
-class _Progress:
+def _report(callback: ProgressCallback | None, step: str, step_fraction: float) -> None:
     """Maps (step, fraction of that step) to a fraction of the whole stage for the caller's callback."""
-
-    def __init__(self, callback: ProgressCallback | None) -> None:
-        self.callback = callback
-
-    def __call__(self, step: str, step_fraction: float = 0.0) -> None:
-        start, stop = STEP_SPANS.get(step, (1.0, 1.0))
-        if self.callback is not None:
-            self.callback(step, start + (stop - start) * min(max(step_fraction, 0.0), 1.0))
+    start, stop = STEP_SPANS.get(step, (1.0, 1.0))
+    if callback is not None:
+        callback(step, start + (stop - start) * min(max(step_fraction, 0.0), 1.0))
 
 
 def prepare_data(
@@ -77,7 +73,7 @@ def prepare_data(
     `progress(step, fraction)` gets the current step and the fraction (0..1) of the stage done.
     """
     workdir = resolve_workdir(workdir)
-    report = _Progress(progress)
+    report = functools.partial(_report, progress)
     archive = archive or _fetch(config, workdir, report)
     key = data_key(config, archive.sha256)
     data_dir = data_root(workdir) / f"cifar10-{key}"
@@ -95,12 +91,8 @@ def prepare_data(
     report("read", 0.0)
     logger.info("Reading %s", archive.path)
     dataset = read_archive(archive.path)
-    logger.info(
-        "Read %s layout: %d training and %d test images",
-        dataset.layout,
-        len(dataset.train_images),
-        len(dataset.test_images),
-    )
+    num_train, num_test = len(dataset.train_images), len(dataset.test_images)
+    logger.info("Read %s layout: %d training and %d test images", dataset.layout, num_train, num_test)
     try:
         with atomic_directory(data_dir) as temp:
             manifest = _build(temp, dataset, archive, config, key, report)
@@ -116,22 +108,17 @@ def prepare_data(
     return _result(data_dir, manifest, reused=False)
 
 
-def _fetch(config: DataConfig, workdir: Path, report: _Progress) -> ArchiveInfo:
+def _fetch(config: DataConfig, workdir: Path, report: ProgressCallback) -> ArchiveInfo:
     """Downloads (or locates) and verifies the archive."""
     report("fetch", 0.0)
     logger.info("Fetching and verifying %s", config.source)
-
-    def on_bytes(done: int, total: int | None) -> None:
-        if total:
-            report("fetch", done / total)
-
     archive = fetch_archive(
         config.source,
         downloads_dir(workdir),
         sha256=config.sha256,
         md5=config.expected_md5(),
         retries=config.download_retries,
-        progress=on_bytes,
+        progress=lambda done, total: report("fetch", done / total) if total else None,
     )
     logger.info("Archive %s verified (sha256 %s)", archive.path, archive.sha256)
     report("fetch", 1.0)
@@ -139,20 +126,17 @@ def _fetch(config: DataConfig, workdir: Path, report: _Progress) -> ArchiveInfo:
 
 
 def _build(
-    output_dir: Path, dataset: RawDataset, archive: ArchiveInfo, config: DataConfig, key: str, report: _Progress
+    output_dir: Path, dataset: RawDataset, archive: ArchiveInfo, config: DataConfig, key: str, report: ProgressCallback
 ) -> Manifest:
     """Validates, converts and summarises the dataset into `output_dir`; returns the manifest."""
     report("validate", 0.0)
     validate_dataset(dataset, config)
 
     report("convert", 0.0)
-    total_shards = sum(min(count, examples) for count, examples in _shard_plan(dataset, config))
-    written: list[Shard] = []
 
-    def on_shard(split: str, shard: Shard) -> None:
-        written.append(shard)
-        logger.info("Converting: %d of %d shards written", len(written), total_shards)
-        report("convert", len(written) / max(total_shards, 1))
+    def on_shard(written: int, total: int) -> None:
+        logger.info("Converting: %d of %d shards written", written, total)
+        report("convert", written / total)
 
     train_images = dataset.train_images[: len(dataset.train_images) - config.validation_size]
     with ThreadPoolExecutor(max_workers=1) as executor:
@@ -161,7 +145,9 @@ def _build(
         splits = convert_dataset(dataset, config, output_dir, on_shard=on_shard)
         report("statistics", 0.0)
         mean, std = statistics.result()
-    logger.info("Training split mean %s, std %s", _rounded(mean), _rounded(std))
+    logger.info(
+        "Training split mean %s, std %s", [round(value, 4) for value in mean], [round(value, 4) for value in std]
+    )
     write_statistics(output_dir, mean, std, splits["train"].num_examples)
     write_class_histogram(output_dir, splits, dataset.class_names)
     manifest = Manifest(
@@ -182,20 +168,6 @@ def _build(
     return manifest
 
 
-def _shard_plan(dataset: RawDataset, config: DataConfig) -> list[tuple[int, int]]:
-    """(requested shards, examples) per split, to count the shards before writing them."""
-    num_train = len(dataset.train_images) - config.validation_size
-    return [
-        (config.train_shards, num_train),
-        (config.validation_shards, config.validation_size),
-        (config.test_shards, len(dataset.test_images)),
-    ]
-
-
-def _rounded(values: list[float]) -> list[float]:
-    return [round(value, 4) for value in values]
-
-
 def _result(data_dir: Path, manifest: Manifest, *, reused: bool) -> DataResult:
     return DataResult(
         key=manifest.key,
@@ -211,7 +183,7 @@ def _result(data_dir: Path, manifest: Manifest, *, reused: bool) -> DataResult:
 
 
 def _check_data_dir(data_dir: str | Path, *, check_digests: bool) -> Manifest:
-    """The manifest, after checking every file it names exists with its size (and digest, if asked)."""
+    """The manifest, after checking every file it names exists with its size (and SHA-256, if asked)."""
     data_dir = Path(data_dir)
     try:
         manifest = load_manifest(data_dir)
@@ -225,28 +197,22 @@ def _check_data_dir(data_dir: str | Path, *, check_digests: bool) -> Manifest:
         if sum(shard.num_examples for shard in entry.shards) != entry.num_examples:
             raise IncompleteDataError(f"{data_dir}: {split} shards do not add up to {entry.num_examples} examples")
         for shard in entry.shards:
-            _check_shard(data_dir, shard, check_digests)
+            path = data_dir / shard.path
+            if not path.is_file():
+                raise IncompleteDataError(f"{data_dir}: shard {shard.path} is missing")
+            size = path.stat().st_size
+            if shard.num_bytes is not None and size != shard.num_bytes:
+                raise IncompleteDataError(
+                    f"{data_dir}: shard {shard.path} has {size:,} bytes, manifest says {shard.num_bytes:,}"
+                )
+            if check_digests and (actual := file_digest(path)) != shard.sha256:
+                raise IncompleteDataError(
+                    f"{data_dir}: shard {shard.path} has sha256 {actual}, manifest says {shard.sha256}"
+                )
     for name in (manifest.statistics_file, manifest.class_histogram_file):
         if not (data_dir / name).is_file():
             raise IncompleteDataError(f"{data_dir}: {name} is missing")
     return manifest
-
-
-def _check_shard(data_dir: Path, shard: Shard, check_digests: bool) -> None:
-    """One shard exists, has its recorded size and, when asked, its recorded SHA-256."""
-    path = data_dir / shard.path
-    if not path.is_file():
-        raise IncompleteDataError(f"{data_dir}: shard {shard.path} is missing")
-    if shard.num_bytes is not None and path.stat().st_size != shard.num_bytes:
-        raise IncompleteDataError(
-            f"{data_dir}: shard {shard.path} has {path.stat().st_size:,} bytes, manifest says {shard.num_bytes:,}"
-        )
-    if check_digests:
-        actual = file_digest(path)
-        if actual != shard.sha256:
-            raise IncompleteDataError(
-                f"{data_dir}: shard {shard.path} has sha256 {actual}, manifest says {shard.sha256}"
-            )
 
 
 def verify_data_dir(data_dir: str | Path) -> None:

@@ -24,28 +24,20 @@ def channel_statistics(images: np.ndarray) -> tuple[list[float], list[float]]:
     """Per-channel (R, G, B) mean and population std of uint8 HWC images, on the 0..1 scale."""
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3 or len(images) == 0:
         raise ValueError(f"expected non-empty uint8 (N, H, W, 3) images, got {images.dtype} {images.shape}")
-    totals, total_squares = _channel_sums(images.reshape(-1, 3))
-    count = len(images) * images.shape[1] * images.shape[2]
-    means, stds = [], []
-    for total, squares in zip(totals, total_squares):
-        # Var = (n * sum(x^2) - sum(x)^2) / n^2, in exact integers before the one division.
-        variance = (count * squares - total * total) / (count * count)
-        means.append(total / count / PIXEL_MAX)
-        stds.append(math.sqrt(variance) / PIXEL_MAX)
-    return means, stds
-
-
-def _channel_sums(pixels: np.ndarray) -> tuple[list[int], list[int]]:
-    """Exact per-channel sums of x and x^2 over (P, 3) uint8 pixels, in chunks that stay in cache."""
+    pixels = images.reshape(-1, 3)
     totals, squares = [0, 0, 0], [0, 0, 0]
-    for start in range(0, len(pixels), SUM_CHUNK_PIXELS):
+    for start in range(0, len(pixels), SUM_CHUNK_PIXELS):  # Chunks that stay in cache.
         chunk = pixels[start : start + SUM_CHUNK_PIXELS]
         for channel in range(3):
             plane = np.ascontiguousarray(chunk[:, channel])
             totals[channel] += int(plane.sum(dtype=np.uint64))
             # 255^2 fits uint16, so squaring needs no wider temporary; the sum accumulates in uint64.
             squares[channel] += int(np.square(plane, dtype=np.uint16).sum(dtype=np.uint64))
-    return totals, squares
+    count = len(pixels)
+    means = [total / count / PIXEL_MAX for total in totals]
+    # Var = (n * sum(x^2) - sum(x)^2) / n^2, in exact integers before the one division.
+    variances = [(count * square - total * total) / (count * count) for total, square in zip(totals, squares)]
+    return means, [math.sqrt(variance) / PIXEL_MAX for variance in variances]
 
 
 def write_statistics(output_dir: str | Path, mean: list[float], std: list[float], num_examples: int) -> Path:

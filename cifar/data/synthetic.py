@@ -45,14 +45,6 @@ def make_split(num_examples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return make_images(labels, seed + 1), labels
 
 
-def _add_file(archive: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size = len(data)
-    info.mtime = FIXED_MTIME
-    info.mode = 0o644
-    archive.addfile(info, io.BytesIO(data))
-
-
 def _to_rows(images: np.ndarray) -> np.ndarray:
     """(N, 32, 32, 3) HWC -> (N, 3072) rows in the official channel-major order (R plane, G, B)."""
     return np.ascontiguousarray(images.transpose(0, 3, 1, 2).reshape(len(images), IMAGE_BYTES))
@@ -68,9 +60,8 @@ def _python_batch(images: np.ndarray, labels: np.ndarray, name: str) -> bytes:
     return pickle.dumps(batch, protocol=2)
 
 
-def _binary_batch(images: np.ndarray, labels: np.ndarray) -> bytes:
-    records = np.concatenate([labels.astype(np.uint8)[:, None], _to_rows(images)], axis=1)
-    return records.tobytes()
+def _binary_batch(images: np.ndarray, labels: np.ndarray, name: str) -> bytes:
+    return np.concatenate([labels.astype(np.uint8)[:, None], _to_rows(images)], axis=1).tobytes()
 
 
 def _write_gzip_tar(path: Path, files: dict[str, bytes]) -> Path:
@@ -78,7 +69,11 @@ def _write_gzip_tar(path: Path, files: dict[str, bytes]) -> Path:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as archive:
         for name, data in files.items():
-            _add_file(archive, name, data)
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mtime = FIXED_MTIME
+            info.mode = 0o644
+            archive.addfile(info, io.BytesIO(data))
     with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as handle:
         handle.write(buffer.getvalue())
     return path
@@ -90,29 +85,26 @@ def build_archive(
     """Writes a gzipped tar in the official `python` or `binary` layout and returns its path."""
     if layout not in {"python", "binary"}:
         raise ValueError(f"layout must be 'python' or 'binary', got {layout!r}")
-    train_images, train_labels = make_split(train_per_batch * NUM_TRAIN_BATCHES, seed)
-    test_images, test_labels = make_split(test_examples, seed + 100)
+    arrays = source_arrays(train_per_batch=train_per_batch, test_examples=test_examples, seed=seed)
+    (train_images, train_labels), (test_images, test_labels) = arrays["train"], arrays["test"]
+    python = layout == "python"
+    directory, suffix, encode = (PYTHON_DIR, "", _python_batch) if python else (BINARY_DIR, ".bin", _binary_batch)
     files: dict[str, bytes] = {}
     for batch in range(NUM_TRAIN_BATCHES):
         part = slice(batch * train_per_batch, (batch + 1) * train_per_batch)
-        if layout == "python":
-            name = f"data_batch_{batch + 1}"
-            files[f"{PYTHON_DIR}/{name}"] = _python_batch(train_images[part], train_labels[part], name)
-        else:
-            files[f"{BINARY_DIR}/data_batch_{batch + 1}.bin"] = _binary_batch(train_images[part], train_labels[part])
-    if layout == "python":
-        files[f"{PYTHON_DIR}/test_batch"] = _python_batch(test_images, test_labels, "test_batch")
+        name = f"data_batch_{batch + 1}"
+        files[f"{directory}/{name}{suffix}"] = encode(train_images[part], train_labels[part], name)
+    files[f"{directory}/test_batch{suffix}"] = encode(test_images, test_labels, "test_batch")
+    if python:
         meta = {
             b"num_cases_per_batch": train_per_batch,
             b"label_names": [n.encode() for n in CLASS_NAMES],
             b"num_vis": IMAGE_BYTES,
         }
         files[f"{PYTHON_DIR}/batches.meta"] = pickle.dumps(meta, protocol=2)
-        files[f"{PYTHON_DIR}/readme.html"] = b"<html>synthetic CIFAR-10 fixture</html>\n"
     else:
-        files[f"{BINARY_DIR}/test_batch.bin"] = _binary_batch(test_images, test_labels)
         files[f"{BINARY_DIR}/batches.meta.txt"] = ("\n".join(CLASS_NAMES) + "\n\n").encode()
-        files[f"{BINARY_DIR}/readme.html"] = b"<html>synthetic CIFAR-10 fixture</html>\n"
+    files[f"{directory}/readme.html"] = b"<html>synthetic CIFAR-10 fixture</html>\n"
     return _write_gzip_tar(Path(path), files)
 
 

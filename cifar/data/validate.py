@@ -29,15 +29,6 @@ def validate_batch(name: str, data: Any, labels: Any) -> tuple[np.ndarray, np.nd
         raise InvalidDatasetError(f"{name}: data has dtype {data.dtype}, expected uint8")
     if data.ndim != 2 or data.shape[1] != IMAGE_BYTES:
         raise InvalidDatasetError(f"{name}: data has shape {data.shape}, expected (N, {IMAGE_BYTES})")
-    labels = _label_array(name, labels)
-    if len(labels) != len(data):
-        raise InvalidDatasetError(f"{name}: {len(labels)} labels for {len(data)} images")
-    _check_label_range(name, labels)
-    return data, labels
-
-
-def _label_array(name: str, labels: Any) -> np.ndarray:
-    """Labels as a 1-D int64 array, or an error naming the batch."""
     try:
         array = np.asarray(labels)
     except (TypeError, ValueError) as error:
@@ -46,7 +37,11 @@ def _label_array(name: str, labels: Any) -> np.ndarray:
         raise InvalidDatasetError(f"{name}: labels have shape {array.shape}, expected a flat list")
     if len(array) and not np.issubdtype(array.dtype, np.integer):
         raise InvalidDatasetError(f"{name}: labels have type {array.dtype}, expected integers")
-    return array.astype(np.int64)
+    if len(array) != len(data):
+        raise InvalidDatasetError(f"{name}: {len(array)} labels for {len(data)} images")
+    labels = array.astype(np.int64)
+    _check_label_range(name, labels)
+    return data, labels
 
 
 def _check_label_range(name: str, labels: np.ndarray) -> None:
