@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def config_for(args):
     from cifar.config import make_config
-    from flows.pipeline import parse_overrides  # The flow's own --set parsing, so both variants agree.
+    from flows.cli import parse_overrides  # The flow's own --set parsing, so both variants agree.
 
     overrides = parse_overrides(args.set)
     archive = str(Path(args.archive).expanduser().resolve())

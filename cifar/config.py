@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import copy
 import re
+import urllib.parse
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cifar.io import normalise_digest
 
@@ -30,15 +31,18 @@ TEST_EXAMPLES = 10_000  # Images in the official test batch.
 MODEL_FAMILIES = ("tutorial", "resnet", "fast", "tiny")  # `resnet` is spelled resnet{6n+2}: resnet20, resnet56.
 MAX_RESNET_DEPTH = 1202  # The deepest CIFAR ResNet of the ResNet paper (19.4 M parameters).
 
+SOURCE_SCHEMES = frozenset({"", "file", "http", "https"})  # "" is a local path.
+TRACKING_SCHEMES = frozenset({"http", "https", "sqlite", "postgresql", "mysql", "file", "databricks"})
+
 STAGES = ("data", "train", "evaluate", "export")
 Stage = Literal["data", "train", "evaluate", "export"]
 
 
 def parse_model_name(name: str) -> tuple[str, int | None]:
     """(family, ResNet depth or None) of a model name; ValueError for a name no builder has."""
-    match = re.fullmatch(r"resnet(\d{1,5})", name)
+    match = re.fullmatch(r"resnet(\d+)", name)
     if match:
-        depth = int(match.group(1))
+        depth = int(match.group(1)[:6])  # Six digits are already far past the bound.
         if depth < 8 or (depth - 2) % 6 or depth > MAX_RESNET_DEPTH:
             raise ValueError(
                 f"ResNet depth must be 6n+2 between 8 and {MAX_RESNET_DEPTH} (20, 32, 44, 56, 110, ...), got {name!r}"
@@ -47,6 +51,31 @@ def parse_model_name(name: str) -> tuple[str, int | None]:
     if name not in MODEL_FAMILIES or name == "resnet":
         raise ValueError(f"unknown model {name!r}: expected tutorial, fast, tiny or resnet{{6n+2}}")
     return name, None
+
+
+def check_name(value: str) -> str:
+    """A name that becomes a directory or a registry entry: no separators, no `..`, nothing to escape."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", value) or ".." in value:
+        raise ValueError(
+            f"must be 1-128 letters, digits, '.', '_' or '-', start with a letter or digit and hold no "
+            f"'..', got {value!r}"
+        )
+    return value
+
+
+def check_location(value: str, schemes: frozenset[str]) -> str:
+    """A URL with one of `schemes`, or a local path (scheme ''), without control characters."""
+    if not value.strip() or any(ord(character) < 32 for character in value):
+        raise ValueError(f"must be a non-empty URL or path without control characters, got {value!r}")
+    scheme = urllib.parse.urlsplit(value.strip()).scheme.lower()
+    if scheme not in schemes and len(scheme) != 1:  # A one-letter scheme is a Windows drive letter.
+        raise ValueError(f"scheme {scheme!r} is not allowed: expected one of {', '.join(sorted(schemes - {''}))}")
+    return value
+
+
+SafeName = Annotated[str, AfterValidator(check_name)]
+SourceLocation = Annotated[str, AfterValidator(lambda value: check_location(value, SOURCE_SCHEMES))]
+TrackingLocation = Annotated[str, AfterValidator(lambda value: check_location(value, TRACKING_SCHEMES))]
 
 
 class Section(BaseModel):
@@ -58,7 +87,7 @@ class Section(BaseModel):
 class DataConfig(Section):
     """Where the archive comes from and how it becomes TFRecord shards."""
 
-    source: str = Field(OFFICIAL_PYTHON_URL, description="http(s)/file:// URL or local path of the archive.")
+    source: SourceLocation = Field(OFFICIAL_PYTHON_URL, description="http(s)/file:// URL or local path of the archive.")
     sha256: str | None = Field(None, description="Expected SHA-256 of the archive (hex).")
     md5: str | None = Field(None, description="Expected MD5 of the archive (hex); defaults to the official one.")
     validation_size: int = Field(5_000, ge=0, lt=TRAIN_EXAMPLES, description="Images held out of training.")
@@ -129,7 +158,7 @@ class TrainConfig(Section):
     jit_compile: Literal["auto", "on", "off"] = Field("auto", description="XLA; auto = on GPU only.")
     keep_checkpoints: int = Field(3, ge=1, le=1000, description="Last K epoch checkpoints kept (+ the best).")
     resume: bool = Field(True, description="Resume from the last completed epoch; False starts fresh.")
-    run_name: str | None = Field(None, description="Training directory name; default derives from the config.")
+    run_name: SafeName | None = Field(None, description="Training directory name; default derives from the config.")
     deterministic: bool = Field(False, description="Deterministic ops and input order (tests).")
 
     @field_validator("model")
@@ -155,13 +184,6 @@ class TrainConfig(Section):
             raise ValueError("lookahead_steps and ema_decay both average weights: set at most one of them")
         return self
 
-    @field_validator("run_name")
-    @classmethod
-    def _safe_run_name(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", value):
-            raise ValueError(f"run_name must be letters, digits, '.', '_' or '-', got {value!r}")
-        return value
-
 
 class EvaluateConfig(Section):
     """Which checkpoints to evaluate on the test split, and how."""
@@ -178,7 +200,7 @@ class EvaluateConfig(Section):
 class ExportConfig(Section):
     """SavedModel export, registry and the promotion gate."""
 
-    model_name: str = "cifar10"
+    model_name: SafeName = Field("cifar10", description="Registered model name; also export/<model_name>/.")
     register_model: bool = True
     min_accuracy: float = Field(0.0, ge=0, le=1, description="Test accuracy a model needs to become champion.")
     tolerance: float = Field(0.0, ge=0, le=1, description="Allowed drop below the current champion.")
@@ -187,8 +209,8 @@ class ExportConfig(Section):
 class TrackingConfig(Section):
     """MLflow tracking; None means a SQLite store under the workdir unless MLFLOW_TRACKING_URI is set."""
 
-    tracking_uri: str | None = None
-    experiment: str = "cifar10"
+    tracking_uri: TrackingLocation | None = None
+    experiment: SafeName = Field("cifar10", description="MLflow experiment; also mlartifacts/<experiment>/.")
     system_metrics: bool = True
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from cifar import plots
+from cifar import failpoints, plots
 from cifar.checkpoints import CheckpointEntry, index_digest, load_eval_model, load_index, select_for_evaluation
 from cifar.config import PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE, NUM_CLASSES, load_manifest
@@ -330,6 +330,7 @@ def evaluate(
         misclassified_plot=str(misclassified_path),
         per_checkpoint=per_checkpoint,
     )
+    failpoints.reached("evaluate.scored")
     atomic_write_json(output_dir / RESULT_NAME, result.model_dump(exclude={"reused"}))
     return result
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
+from cifar import failpoints, locks
 from cifar.checkpoints import load_eval_model, load_index
 from cifar.config import PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE, load_manifest
@@ -46,7 +47,7 @@ from cifar.workdir import (
     export_root,
     find_export,
     publish_version,
-    remove_stale_partials,
+    remove_partials,
 )
 
 SERVING_SIGNATURE = "serving_default"
@@ -163,12 +164,31 @@ def export_model(
 
     The version an earlier export of the same key published is returned instead, unless `refresh`.
     """
-    checkpoint_dir = Path(checkpoint_dir)
     root = export_root(Path(workdir), config.export.model_name)
     key = export_key(config, evaluation.key)
-    finished = None if refresh else find_export(root, key)
-    if finished is not None:
-        return finished
+    root.mkdir(parents=True, exist_ok=True)
+    # Exports of one model take turns: a second export of the same key finds the first one's version.
+    with locks.exclusive(locks.lock_path(root), f"exports of {config.export.model_name}"):
+        finished = None if refresh else find_export(root, key)
+        if finished is not None:
+            return finished
+        remove_partials(root)  # Under the lock, every temp directory there belongs to an export that died.
+        result, description = _export(config, data_dir, Path(checkpoint_dir), root, evaluation, key)
+    if mlflow_run_id:
+        tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
+        log_to_mlflow(tracking_uri, mlflow_run_id, result, description)
+    return result
+
+
+def _export(
+    config: PipelineConfig,
+    data_dir: str | Path,
+    checkpoint_dir: Path,
+    root: Path,
+    evaluation: EvaluationResult,
+    key: str,
+) -> tuple[ExportResult, str]:
+    """Writes, verifies and publishes the next version; returns its result and the CLI's description."""
     try:
         entry = load_index(checkpoint_dir).entry(evaluation.epoch)
     except KeyError as error:
@@ -177,9 +197,6 @@ def export_model(
     images, labels = load_split(data_dir, "test")
     module = ServingModule(load_eval_model(checkpoint_dir, entry), manifest.class_names)
     signatures = {SERVING_SIGNATURE: module.serve, BYTES_SIGNATURE: module.serve_bytes}
-
-    root.mkdir(parents=True, exist_ok=True)
-    remove_stale_partials(root)
     temp_dir = Path(tempfile.mkdtemp(prefix=EXPORT_PARTIAL_PREFIX, suffix=EXPORT_PARTIAL_SUFFIX, dir=root))
     try:
         tf.saved_model.save(module, str(temp_dir), signatures=signatures)
@@ -205,16 +222,12 @@ def export_model(
         }
         (temp_dir / EXPORT_METADATA_PATH).parent.mkdir(parents=True, exist_ok=True)
         (temp_dir / EXPORT_METADATA_PATH).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+        failpoints.reached("export.saved")
         version, final = publish_version(temp_dir, root)
     except BaseException:
         shutil.rmtree(temp_dir, ignore_errors=True)
         raise
-
-    result = result.model_copy(update={"export_dir": str(final), "version": version})
-    if mlflow_run_id:
-        tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
-        log_to_mlflow(tracking_uri, mlflow_run_id, result, description)
-    return result
+    return result.model_copy(update={"export_dir": str(final), "version": version}), description
 
 
 def log_to_mlflow(tracking_uri: str, run_id: str, result: ExportResult, description: str) -> None:

@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 from mlflow.pyfunc import PythonModel
 
+from cifar import failpoints, locks
 from cifar.config import PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE
 from cifar.export import INPUT_NAME, SERVING_SIGNATURE
 from cifar.results import ExportResult, PromotionResult
 from cifar.reuse import registration_key
-from cifar.tracking import ensure_experiment, resolve_tracking_uri, use_run
+from cifar.tracking import ensure_experiment, mlflow_client, resolve_tracking_uri, use_run
 
 CHAMPION_ALIAS = "champion"
 ACCURACY_TAG = "test_accuracy"
@@ -181,10 +182,9 @@ def register_and_promote(
     """Logs and registers the exported model, then moves `champion` to it only if it passes the gate.
 
     An export registered before (same `export_key` tag) is not registered again: its recorded
-    decision is returned, or taken now if the earlier attempt died before taking it.
+    decision is returned, or taken now if the earlier attempt died before taking it. Registrations
+    of one export root take turns (a lock beside it), so two runs never register one export twice.
     """
-    import mlflow
-
     if not 0 <= test_accuracy <= 1:
         raise ValueError(f"test_accuracy must be in 0..1, got {test_accuracy}")
     workdir = Path(export_result.export_dir).resolve().parents[2]  # WORKDIR/export/<model>/<version>
@@ -192,42 +192,45 @@ def register_and_promote(
     key = registration_key(config, export_result.key, tracking_uri)
     model_name = config.export.model_name
     # The registry lives in the tracking store; never in a registry some other code set globally.
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    register = config.export.register_model
-    version = registered_version(client, model_name, export_result.key) if register else None
-    if version is not None and (decision := recorded_decision(version, key)) is not None:
-        return decision
-    if mlflow_run_id is None:
-        experiment_id = ensure_experiment(tracking_uri, workdir, config.tracking.experiment)
-        mlflow_run_id = client.create_run(experiment_id, run_name=f"register-{model_name}").info.run_id
-    with use_run(tracking_uri, mlflow_run_id):
-        if version is None:
-            model_info = log_pyfunc_model(export_result, _input_example(input_example))
-            model_uri = model_info.model_uri
-        if not register:
-            result = PromotionResult(
-                key=key,
-                registered_model_version=None,
-                champion=False,
-                test_accuracy=test_accuracy,
-                champion_accuracy_before=None,
-                model_uri=model_uri,
-                reason="registration disabled (export.register_model is false)",
-            )
-        else:
+    client = mlflow_client(tracking_uri)
+    lock = Path(export_result.export_dir).parent / ".register.lock"
+    with locks.exclusive(lock, f"registering into {model_name}"):
+        register = config.export.register_model
+        version = registered_version(client, model_name, export_result.key) if register else None
+        if version is not None and (decision := recorded_decision(version, key)) is not None:
+            return decision
+        if mlflow_run_id is None:
+            experiment_id = ensure_experiment(tracking_uri, workdir, config.tracking.experiment)
+            mlflow_run_id = client.create_run(experiment_id, run_name=f"register-{model_name}").info.run_id
+        with use_run(tracking_uri, mlflow_run_id):
             if version is None:
-                tags = {
-                    EXPORT_KEY_TAG: export_result.key,
-                    ACCURACY_TAG: repr(float(test_accuracy)),
-                    "export_version": str(export_result.version),
-                    "export_dir": export_result.export_dir,
-                    "epoch": str(export_result.epoch),
-                }
-                number = register_version(client, model_name, model_info, tags)
-            else:  # Registered by an attempt that died before the gate decided.
-                number, model_uri = int(version.version), version.source
-            result = _gate(client, config, key, number, model_uri, test_accuracy)
-        _log_decision(result)
+                model_info = log_pyfunc_model(export_result, _input_example(input_example))
+                model_uri = model_info.model_uri
+            if not register:
+                result = PromotionResult(
+                    key=key,
+                    registered_model_version=None,
+                    champion=False,
+                    test_accuracy=test_accuracy,
+                    champion_accuracy_before=None,
+                    model_uri=model_uri,
+                    reason="registration disabled (export.register_model is false)",
+                )
+            else:
+                if version is None:
+                    tags = {
+                        EXPORT_KEY_TAG: export_result.key,
+                        ACCURACY_TAG: repr(float(test_accuracy)),
+                        "export_version": str(export_result.version),
+                        "export_dir": export_result.export_dir,
+                        "epoch": str(export_result.epoch),
+                    }
+                    number = register_version(client, model_name, model_info, tags)
+                    failpoints.reached("register.registered")
+                else:  # Registered by an attempt that died before the gate decided.
+                    number, model_uri = int(version.version), version.source
+                result = _gate(client, config, key, number, model_uri, test_accuracy)
+            _log_decision(result)
     return result
 
 

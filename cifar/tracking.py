@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from cifar import compat
+from cifar import compat, locks
 from cifar.config import TrackingConfig
 
 
@@ -32,11 +32,57 @@ def default_artifact_location(tracking_uri: str, workdir: str | Path, experiment
     return None
 
 
-def ensure_experiment(tracking_uri: str, workdir: str | Path, name: str) -> str:
-    """The experiment id of `name`, created with a predictable artifact location if missing."""
+_READY_STORES: set[str] = set()  # Embedded stores this process has already created or checked.
+
+
+def mlflow_client(tracking_uri: str):
+    """An MlflowClient on `tracking_uri` (tracking and registry), its embedded store made ready first."""
     import mlflow
 
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    if tracking_uri.startswith("sqlite:///") and tracking_uri not in _READY_STORES:
+        _prepare_sqlite_store(tracking_uri)
+    return mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def _prepare_sqlite_store(tracking_uri: str) -> None:
+    """Creates (or migrates, or repairs) an embedded store once, under a lock every process takes.
+
+    MLflow creates and migrates a SQLite store the first time a process opens it; two processes doing
+    that at once both run the migrations and corrupt it (`_alembic_tmp_*` tables left behind, every
+    later run failing). Under the lock the first process migrates and the others find it ready.
+    """
+    import mlflow
+
+    path = Path(tracking_uri.removeprefix("sqlite:///"))
+    with locks.exclusive(path.with_name(f".{path.name}.lock"), f"the MLflow store {path}"):
+        _finish_interrupted_migration(path)
+        store = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        store.search_experiments(max_results=1)
+        store.search_registered_models(max_results=1)
+    _READY_STORES.add(tracking_uri)
+
+
+def _finish_interrupted_migration(path: Path) -> None:
+    """Repairs what a migration killed halfway left: Alembic rebuilds a SQLite table as `_alembic_tmp_<t>`,
+    then drops `<t>` and renames the copy; a leftover copy is renamed if `<t>` is gone, else dropped."""
+    import sqlite3
+
+    if not path.is_file():
+        return
+    with contextlib.closing(sqlite3.connect(path)) as connection, connection:
+        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        for temporary in sorted(name for name in tables if name.startswith("_alembic_tmp_")):
+            table = temporary.removeprefix("_alembic_tmp_")
+            action = (
+                f'DROP TABLE "{temporary}"' if table in tables else f'ALTER TABLE "{temporary}" RENAME TO "{table}"'
+            )
+            connection.execute(action)
+
+
+def ensure_experiment(tracking_uri: str, workdir: str | Path, name: str) -> str:
+    """The experiment id of `name`, created with a predictable artifact location if missing."""
+
+    client = mlflow_client(tracking_uri)
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
@@ -86,16 +132,14 @@ def active_run(tracking_uri: str, run_id: str | None, *, system_metrics: bool) -
 
 def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
     """Marks the pipeline's run as ended (FINISHED or FAILED)."""
-    import mlflow
 
-    mlflow.MlflowClient(tracking_uri=tracking_uri).set_terminated(run_id, status=status)
+    mlflow_client(tracking_uri).set_terminated(run_id, status=status)
 
 
 def mark_failed(tracking_uri: str, run_id: str, reason: str) -> None:
     """Ends a run FAILED with the reason as its `failure` tag."""
-    import mlflow
 
-    mlflow.MlflowClient(tracking_uri=tracking_uri).set_tag(run_id, "failure", reason[:5000])
+    mlflow_client(tracking_uri).set_tag(run_id, "failure", reason[:5000])
     end_run(tracking_uri, run_id, "FAILED")
 
 
@@ -118,10 +162,9 @@ def git_commit(directory: str | Path | None = None) -> str | None:
 
 def run_exists(tracking_uri: str, run_id: str) -> bool:
     """Whether the store still has `run_id` (and it is not deleted)."""
-    import mlflow
 
     try:
-        run = mlflow.MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
+        run = mlflow_client(tracking_uri).get_run(run_id)
     except Exception:  # The store raises MlflowException (RESOURCE_DOES_NOT_EXIST) for unknown ids.
         return False
     return run.info.lifecycle_stage == "active"
@@ -129,10 +172,9 @@ def run_exists(tracking_uri: str, run_id: str) -> bool:
 
 def create_run(tracking_uri: str, workdir: str | Path, experiment: str, run_name: str, tags: dict[str, str]) -> str:
     """Creates the pipeline's run (status RUNNING) and returns its id; nothing is made active."""
-    import mlflow
 
     experiment_id = ensure_experiment(tracking_uri, workdir, experiment)
-    run = mlflow.MlflowClient(tracking_uri=tracking_uri).create_run(experiment_id, run_name=run_name, tags=tags)
+    run = mlflow_client(tracking_uri).create_run(experiment_id, run_name=run_name, tags=tags)
     return run.info.run_id
 
 
@@ -143,10 +185,9 @@ def stringify_params(params: dict) -> dict[str, str]:
 
 def log_params(tracking_uri: str, run_id: str, params: dict) -> None:
     """Logs params in batches of 100 (the store's limit per request)."""
-    import mlflow
     from mlflow.entities import Param
 
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    client = mlflow_client(tracking_uri)
     items = [Param(key, value) for key, value in stringify_params(params).items()]
     for start in range(0, len(items), 100):
         client.log_batch(run_id, params=items[start : start + 100])
@@ -156,20 +197,18 @@ def log_epoch_metrics(tracking_uri: str, run_id: str, epoch: int, metrics: dict[
     """One value per metric at step = epoch (1-based), in one request."""
     import time
 
-    import mlflow
     from mlflow.entities import Metric
 
     timestamp = int(time.time() * 1000)
     items = [Metric(key, float(value), timestamp, int(epoch)) for key, value in metrics.items()]
     if items:
-        mlflow.MlflowClient(tracking_uri=tracking_uri).log_batch(run_id, metrics=items)
+        mlflow_client(tracking_uri).log_batch(run_id, metrics=items)
 
 
 def logged_steps(tracking_uri: str, run_id: str, key: str) -> set[int]:
     """The steps already logged for a metric (to back-fill without duplicates after a crash)."""
-    import mlflow
 
-    history = mlflow.MlflowClient(tracking_uri=tracking_uri).get_metric_history(run_id, key)
+    history = mlflow_client(tracking_uri).get_metric_history(run_id, key)
     return {metric.step for metric in history}
 
 

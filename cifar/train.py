@@ -37,6 +37,7 @@ MLflow run is marked FAILED.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -48,7 +49,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from cifar import compat, distribute, schedules, tracking
+from cifar import compat, distribute, locks, schedules, tracking
 from cifar.callbacks import (
     DivergenceGuard,
     EpochCheckpoint,
@@ -242,7 +243,20 @@ def train(
     checkpoint of each epoch is written.
     """
     job = plan_job(config, data_dir, workdir)
-    run = job.run
+    # One process trains a run folder at a time; a second run of the same key waits, then reuses the result.
+    owner = locks.exclusive(locks.lock_path(job.run.path), f"the training run {job.run.name}")
+    with owner if job.plan.is_chief else contextlib.nullcontext():
+        return _train(job, refresh, epoch_callback, callbacks)
+
+
+def _train(
+    job: TrainingJob,
+    refresh: bool,
+    epoch_callback: Callable[[dict], None] | None,
+    callbacks: Sequence[keras.callbacks.Callback],
+) -> TrainResult:
+    """`train` once the run folder is this process's: reuse, resume or train from scratch."""
+    config, run = job.config, job.run
     if job.plan.is_chief and (refresh or not job.train.resume):
         run.discard()
     finished = run.completed(job.key)
@@ -369,7 +383,7 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
             mlflow.log_input(tracking.manifest_dataset(job.manifest, job.data_dir), context="training")
             mlflow.log_dict(job.config.model_dump(mode="json"), "config.json")
             mlflow.log_artifact(str(job.data_dir / "manifest.json"))
-    client = mlflow.MlflowClient(tracking_uri=uri)
+    client = tracking.mlflow_client(uri)
     for key, value in attempt_tags.items():
         client.set_tag(run_id, key, value)
     run.write_state(job.key, run_id, uri, "running")

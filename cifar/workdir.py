@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,6 @@ from cifar.results import ExportResult
 EXPORT_METADATA_PATH = Path("assets.extra") / "export.json"  # Inside a version: TF Serving ignores assets.extra.
 EXPORT_PARTIAL_PREFIX = ".export-"  # Hidden temp dirs of exports in flight: not versions, never served.
 EXPORT_PARTIAL_SUFFIX = ".partial"
-STALE_PARTIAL_SECONDS = 3600  # Temp dirs older than this belong to an export that died; younger may be running.
 PUBLISH_ATTEMPTS = 100  # Version numbers tried when concurrent exports race for the next one.
 
 
@@ -86,7 +84,8 @@ def find_export(root: Path, key: str) -> ExportResult | None:
 
 
 def publish_version(temp_dir: Path, root: Path) -> tuple[int, Path]:
-    """Renames a finished temp dir to the next free version number; never replaces an existing version."""
+    """Renames a finished temp dir, made world-readable, to the next free version number; never replaces one."""
+    make_world_readable(temp_dir)
     for _ in range(PUBLISH_ATTEMPTS):
         version = max(existing_versions(root), default=0) + 1
         final = root / str(version)
@@ -100,13 +99,17 @@ def publish_version(temp_dir: Path, root: Path) -> tuple[int, Path]:
     raise RuntimeError(f"could not claim a version number under {root}")
 
 
-def remove_stale_partials(root: Path, max_age_seconds: float = STALE_PARTIAL_SECONDS) -> list[Path]:
-    """Deletes temp dirs that interrupted exports left behind; returns what was removed."""
-    removed = []
-    now = time.time()
-    for path in root.glob(f"{EXPORT_PARTIAL_PREFIX}*{EXPORT_PARTIAL_SUFFIX}"):
-        with contextlib.suppress(FileNotFoundError):
-            if now - path.stat().st_mtime >= max_age_seconds:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
+def remove_partials(root: Path) -> list[Path]:
+    """Deletes the temp directories of exports that died (call it holding the export root's lock)."""
+    removed = sorted(root.glob(f"{EXPORT_PARTIAL_PREFIX}*{EXPORT_PARTIAL_SUFFIX}"))
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     return removed
+
+
+def make_world_readable(directory: Path) -> None:
+    """Directories 0755 and files 0644, as a model server running as another user needs them."""
+    for parent, _, files in os.walk(directory):
+        os.chmod(parent, 0o755)
+        for name in files:
+            os.chmod(os.path.join(parent, name), 0o644)

@@ -13,24 +13,24 @@ The end of every run is `WORKDIR/summary.json` (with the resolved config) and a 
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `python flows/pipeline.py` from a checkout without the editable install.
     sys.path.insert(0, str(REPO_ROOT))
+# Offline, the ephemeral server's usage telemetry only logs failures; it sends nothing of ours either way.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from prefect import flow  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
 
-from cifar.config import PRESETS, STAGES, PipelineConfig, Stage, make_config, resolve_workdir  # noqa: E402
-from tasks import faults  # noqa: E402
+from cifar import failpoints  # noqa: E402
+from cifar.config import STAGES, PipelineConfig, Stage, make_config, resolve_workdir  # noqa: E402
+from cifar.preflight import check_request  # noqa: E402
 from tasks.artifacts import mlflow_run_url, publish_report, write_summary  # noqa: E402
 from tasks.caching import result_storage  # noqa: E402
 from tasks.data import download_archive, prepare_dataset  # noqa: E402
@@ -56,7 +56,7 @@ class Stages:
         forwards_refresh = "refresh" in inspect.signature(task.fn).parameters  # The library recomputes too.
 
         def run(*args):
-            faults.kill_before(task.name)
+            failpoints.reached(f"before:{task.name}")
             keywords = {"refresh": refresh} if forwards_refresh else {}
             state = configured(*args, **keywords, return_state=True)
             result = state.result()  # Raises the task's real error when it failed.
@@ -122,6 +122,7 @@ def cifar_pipeline(
     """CIFAR-10 from the archive to a gated, exported model; stops after `until`."""
     show_stage_logs()
     config = with_preset(config)
+    check_request(config)  # Devices, batch and memory: an impossible request fails before any work.
     workdir = str(resolve_workdir(workdir))
     stages = Stages(workdir, refresh=refresh, fresh=not config.train.resume)
 
@@ -153,149 +154,7 @@ def cifar_pipeline(
     return summary
 
 
-# Command line.
-
-
-class ConfigError(ValueError):
-    """The command line does not describe a valid configuration."""
-
-
-def parse_value(text: str) -> Any:
-    """A --set value: JSON when it parses (numbers, true/false, null, lists), else the plain string."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
-    """`["train.epochs=3", "seed=1"]` -> `{"train": {"epochs": 3}, "seed": 1}`."""
-    overrides: dict[str, Any] = {}
-    for assignment in assignments:
-        key, separator, text = assignment.partition("=")
-        path = key.strip().split(".")
-        if not separator or not all(path):
-            raise ConfigError(f"--set expects section.field=value, got {assignment!r}")
-        target = overrides
-        for part in path[:-1]:
-            target = target.setdefault(part, {})
-            if not isinstance(target, dict):
-                raise ConfigError(f"--set {assignment!r} conflicts with an earlier --set of {part!r}")
-        target[path[-1]] = parse_value(text)
-    return overrides
-
-
-def describe_validation_error(error: ValidationError) -> str:
-    """One line per invalid field: `train.epochs: Input should be greater than or equal to 1 (got 0)`."""
-    lines = []
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "config"
-        shown = "" if item["type"] == "missing" else f" (got {item.get('input')!r})"
-        lines.append(f"{field}: {item['msg']}{shown}")
-    return "invalid configuration: " + "; ".join(lines)
-
-
-def config_from_args(args: argparse.Namespace) -> PipelineConfig:
-    """The validated config of a command line; raises ConfigError naming the bad field."""
-    overrides = parse_overrides(args.set or [])
-    data = overrides.setdefault("data", {})
-    if not isinstance(data, dict):
-        raise ConfigError("--set data=... must name a field: data.source=..., data.sha256=...")
-    for field in ("source", "sha256", "md5"):
-        if getattr(args, field) is not None:
-            data[field] = getattr(args, field)
-    if args.fresh:
-        overrides.setdefault("train", {})["resume"] = False
-    try:
-        return make_config(args.preset, overrides)
-    except ValidationError as error:
-        raise ConfigError(describe_validation_error(error)) from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python flows/pipeline.py",
-        description="CIFAR-10 from the raw archive to a served model (Prefect flow `cifar`).",
-        epilog="Example: python flows/pipeline.py --source cifar-10-python.tar.gz --preset smoke "
-        "--set train.epochs=3 --until evaluate",
-    )
-    add = parser.add_argument
-    add("--source", help="http(s)/file:// URL or local path of the archive (default: the official one)")
-    add("--sha256", help="expected SHA-256 of the archive (hex)")
-    add("--md5", help="expected MD5 of the archive (hex); official URLs default to the published one")
-    add("--workdir", default="./workdir", help="where data, runs, exports and summary.json go")
-    add("--preset", default="default", choices=sorted(PRESETS), help="named set of settings")
-    add("--until", default="export", choices=STAGES, help="last stage to run (export includes registering)")
-    add("--refresh", action="store_true", help="recompute every stage, even where finished work exists")
-    resume = parser.add_mutually_exclusive_group()
-    resume.add_argument("--resume", action="store_true", help="continue the training run (the default)")
-    resume.add_argument("--fresh", action="store_true", help="discard the run's checkpoints (train.resume=false)")
-    help_set = "override one config field, e.g. --set train.epochs=3 (repeatable; values parse as JSON)"
-    add("--set", action="append", metavar="SECTION.FIELD=VALUE", help=help_set)
-    return parser
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """A few human lines about what the run produced."""
-    states = summary.get("task_states", {})
-
-    def state(*names: str) -> str:
-        shown = [f"{name} {states[name].lower()}" for name in names if name in states]
-        return f"  [{', '.join(shown)}]" if shown else ""
-
-    def percent(value: Any) -> str:
-        return "-" if value is None else f"{100 * value:.2f} %"
-
-    counts = summary.get("counts", {})
-    lines = [
-        f"cifar pipeline done (preset {summary['preset']}, until {summary['until']})",
-        f"  data       {summary['data_dir']}  train/validation/test "
-        f"{counts.get('train')}/{counts.get('validation')}/{counts.get('test')}{state('download', 'prepare')}",
-    ]
-    if "run_name" in summary:
-        lines.append(
-            f"  training   {summary['run_name']}: {summary['epochs_completed']} epochs, best epoch "
-            f"{summary['best_epoch']}, validation accuracy {percent(summary['val_accuracy'])}{state('train')}"
-        )
-    if "test_accuracy" in summary:
-        tta = [
-            f"{name} {percent(summary[key])}"
-            for key, name in (("flip_tta_accuracy", "flip TTA"), ("tta_accuracy", "flip+translate TTA"))
-            if summary.get(key) is not None
-        ]
-        lines.append(
-            f"  test       accuracy {percent(summary['test_accuracy'])}, loss {summary['test_loss']:.4f}"
-            f"{''.join(', ' + item for item in tta)}{state('evaluate')}"
-        )
-    if "export_dir" in summary:
-        lines.append(f"  export     {summary['export_dir']}{state('export')}")
-    if "registered_model_version" in summary:
-        verdict = "champion" if summary.get("champion") else "not promoted"
-        lines.append(
-            f"  registry   version {summary['registered_model_version']}, {verdict}: "
-            f"{summary.get('promotion_reason')}{state('register')}"
-        )
-    if summary.get("mlflow_run_url"):
-        lines.append(f"  mlflow     {summary['mlflow_run_url']}")
-    lines.append(f"  summary    {summary['summary_path']}")
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args)
-    except ConfigError as error:
-        parser.error(str(error))  # Exits with status 2 before any work.
-    try:
-        summary = cifar_pipeline(config=config, workdir=args.workdir, until=args.until, refresh=args.refresh)
-    except Exception as error:
-        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
-    print(format_summary(summary))
-    return 0
-
-
 if __name__ == "__main__":
+    from flows.cli import main  # The command line: validation, logs, a supervisor that leaves no orphans.
+
     sys.exit(main())

@@ -23,9 +23,11 @@ if str(REPO_ROOT) not in sys.path:
 from prefect import flow  # noqa: E402
 
 from cifar.config import PipelineConfig, Stage  # noqa: E402
-from cifar.tracking import resolve_tracking_uri  # noqa: E402
+from cifar.tracking import mark_failed, resolve_tracking_uri  # noqa: E402
 from flows.pipeline import cifar_pipeline, with_preset  # noqa: E402
 from tasks.sweep import attach_child_run, close_sweep_run, open_sweep_run  # noqa: E402
+
+ROW_FIELDS = ("val_accuracy", "test_accuracy", "mlflow_run_id", "run_name")
 
 
 def grid_point(config: PipelineConfig, model: str, learning_rate: float) -> PipelineConfig:
@@ -53,20 +55,16 @@ def sweep(
     )
 
     rows = []
-    for point in points:
-        name = f"{point.train.model}-lr{point.train.learning_rate:g}"
-        summary = cifar_pipeline.with_options(flow_run_name=name)(config=point, workdir=workdir, until=until)
-        attach_child_run(tracking_uri, parent_run_id, summary["mlflow_run_id"])
-        rows.append(
-            {
-                "model": point.train.model,
-                "learning_rate": point.train.learning_rate,
-                "val_accuracy": summary.get("val_accuracy"),
-                "test_accuracy": summary.get("test_accuracy"),
-                "mlflow_run_id": summary["mlflow_run_id"],
-                "run_name": summary["run_name"],
-            }
-        )
+    try:
+        for point in points:
+            name = f"{point.train.model}-lr{point.train.learning_rate:g}"
+            summary = cifar_pipeline.with_options(flow_run_name=name)(config=point, workdir=workdir, until=until)
+            attach_child_run(tracking_uri, parent_run_id, summary["mlflow_run_id"])
+            row = {"model": point.train.model, "learning_rate": point.train.learning_rate}
+            rows.append(row | {key: summary.get(key) for key in ROW_FIELDS})
+    except BaseException as error:  # The parent must not stay RUNNING forever.
+        mark_failed(tracking_uri, parent_run_id, f"point {name} failed: {type(error).__name__}: {error}")
+        raise
 
     metric = "val_accuracy" if any(row["val_accuracy"] is not None for row in rows) else "test_accuracy"
     best = close_sweep_run(tracking_uri, parent_run_id, rows, metric)

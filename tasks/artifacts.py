@@ -12,6 +12,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from cifar.io import atomic_write_json, read_json
+from cifar.tracking import mlflow_client
 from cifar.workdir import summary_path
 
 logger = logging.getLogger("tasks.artifacts")
@@ -76,9 +77,7 @@ def mlflow_run_url(tracking_uri: str | None, run_id: str | None) -> str | None:
     if not tracking_uri or not run_id:
         return None
     try:
-        import mlflow
-
-        experiment_id = mlflow.MlflowClient(tracking_uri=tracking_uri).get_run(run_id).info.experiment_id
+        experiment_id = mlflow_client(tracking_uri).get_run(run_id).info.experiment_id
     except Exception as error:
         logger.warning("Could not look up MLflow run %s: %s", run_id, error)
         experiment_id = None
@@ -148,5 +147,7 @@ def publish_report(summary: dict[str, Any]) -> str:
 
 @task(name="summary")
 def write_summary(summary: dict[str, Any], workdir: str) -> str:
-    """Writes WORKDIR/summary.json atomically and returns its path."""
+    """Writes WORKDIR/summary.json (the latest run's) and the training run's own copy; returns the first."""
+    if summary.get("run_dir"):
+        atomic_write_json(Path(summary["run_dir"]) / "summary.json", summary)
     return str(atomic_write_json(summary_path(Path(workdir)), summary))

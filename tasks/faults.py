@@ -2,30 +2,20 @@
 
 - `CIFAR_FAULT_AFTER_EPOCH=N`: the training task raises right after epoch N was reported (its
   checkpoint is already on disk), as a crash mid-training would.
-- `CIFAR_FAULT_KILL_BEFORE=<task>`: the whole process group (the ephemeral Prefect server included)
-  is killed with SIGKILL just before that task starts (`prepare`, `train`, `evaluate`, `export`,
-  `register`), as a power cut or the OOM killer would.
+- Kills of the whole process group at named points: `cifar.failpoints` (`CIFAR_KILL_AT`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Callable
 from typing import Any
 
 FAULT_AFTER_EPOCH_ENV = "CIFAR_FAULT_AFTER_EPOCH"
-KILL_BEFORE_ENV = "CIFAR_FAULT_KILL_BEFORE"
 
 
 class InjectedFault(RuntimeError):
     """The failure CIFAR_FAULT_AFTER_EPOCH asked for."""
-
-
-def kill_before(task_name: str) -> None:
-    """SIGKILLs this process group when CIFAR_FAULT_KILL_BEFORE names `task_name`."""
-    if os.environ.get(KILL_BEFORE_ENV) == task_name:
-        os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 def after_epoch(report: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:

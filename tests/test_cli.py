@@ -9,15 +9,8 @@ import pytest
 from servers import REPO_ROOT
 
 from cifar.config import OFFICIAL_PYTHON_URL, make_config
-from flows.pipeline import (
-    ConfigError,
-    build_parser,
-    config_from_args,
-    explicit_fields,
-    parse_overrides,
-    parse_value,
-    with_preset,
-)
+from flows.cli import ConfigError, build_parser, config_from_args, parse_overrides, parse_value
+from flows.pipeline import explicit_fields, with_preset
 
 SHA256 = "ab" * 32
 

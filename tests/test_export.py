@@ -123,6 +123,14 @@ def test_interrupted_export_leaves_no_half_version_and_numbering_continues(setup
     assert not stale.exists()
 
 
+def test_a_published_version_is_world_readable(setup):
+    # TF Serving often runs as another user: directories 0755, files 0644 (temp directories start 0700).
+    export_dir = Path(export(setup, "tiny").export_dir)
+    paths = [export_dir, *export_dir.rglob("*")]
+    assert {oct(path.stat().st_mode & 0o777) for path in paths if path.is_dir()} == {"0o755"}
+    assert {oct(path.stat().st_mode & 0o777) for path in paths if path.is_file()} == {"0o644"}
+
+
 def test_an_export_of_the_same_key_is_found_not_made_again(setup):
     root = setup["workdir"] / "export" / "cifar10"
     first = export(setup, "tutorial")

@@ -101,3 +101,22 @@ def test_wrong_checksum_fails_naming_both_digests_and_leaves_no_data(prefect_hom
     assert wrong in errors[0] and actual in errors[0]
     assert not (workdir / "data").exists() or not any((workdir / "data").iterdir())
     assert not (workdir / "summary.json").exists()
+
+
+def test_a_sweep_whose_point_fails_marks_its_mlflow_parent_failed(prefect_home, tmp_path):
+    workdir, tracking_uri = tmp_path / "workdir", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    script = (
+        "import sys\n"
+        "from cifar.config import make_config\n"
+        "from flows.sweep import sweep\n"
+        f"config = make_config('smoke', {{'data': {{'source': {str(tmp_path / 'missing.tar.gz')!r}}}, "
+        f"'tracking': {{'tracking_uri': {tracking_uri!r}}}}})\n"
+        f"sweep(config=config, models=['tiny'], learning_rates=[0.05], workdir={str(workdir)!r}, until='train')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, env=prefect_env(prefect_home),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode != 0 and "missing.tar.gz" in result.stderr
+    import mlflow
+
+    [parent] = mlflow.MlflowClient(tracking_uri=tracking_uri).search_runs(["1"], "tags.`cifar.sweep` = 'parent'")
+    assert parent.info.status == "FAILED" and "tiny-lr0.05" in parent.data.tags["failure"]

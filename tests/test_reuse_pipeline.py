@@ -129,7 +129,7 @@ def test_editing_the_optimizer_trains_a_new_run_while_an_unchanged_rerun_reuses_
 
 def test_a_kill_between_export_and_register_leaves_the_registry_one_to_one(project, python_archive, tmp_path):
     workdir = tmp_path / "workdir"
-    killed = run(project, workdir, python_archive, CIFAR_FAULT_KILL_BEFORE="register")
+    killed = run(project, workdir, python_archive, CIFAR_KILL_AT="before:register")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-4000:]
     assert [Path(path).name for path in export_dirs(workdir)] == ["1"]
     assert not (workdir / "summary.json").exists()

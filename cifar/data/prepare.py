@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cifar import failpoints, locks
 from cifar.config import DataConfig, resolve_workdir
 from cifar.data.archive import RawDataset, read_archive
 from cifar.data.convert import SPLITS, convert_dataset
@@ -78,34 +79,37 @@ def prepare_data(
     key = data_key(config, archive.sha256)
     data_dir = data_root(workdir) / f"cifar10-{key}"
 
-    manifest = None if refresh else reusable_manifest(data_dir, key)
-    if manifest is not None:
-        logger.info("Reusing %s (same archive, settings and code)", data_dir)
-        report("done", 1.0)
-        return _result(data_dir, manifest, reused=True)
-    if data_dir.exists():
-        logger.warning("Removing %s before rebuilding it", data_dir)
-        shutil.rmtree(data_dir)
-
-    started = time.perf_counter()
-    report("read", 0.0)
-    logger.info("Reading %s", archive.path)
-    dataset = read_archive(archive.path)
-    num_train, num_test = len(dataset.train_images), len(dataset.test_images)
-    logger.info("Read %s layout: %d training and %d test images", dataset.layout, num_train, num_test)
-    try:
+    remove_abandoned_partials(data_root(workdir))
+    # One run builds a key's directory; another run of the same key waits here, then reuses it.
+    with locks.exclusive(locks.lock_path(data_dir), f"the data directory {data_dir.name}"):
+        manifest = None if refresh else reusable_manifest(data_dir, key)
+        if manifest is not None:
+            logger.info("Reusing %s (same archive, settings and code)", data_dir)
+            report("done", 1.0)
+            return _result(data_dir, manifest, reused=True)
+        if data_dir.exists():
+            logger.warning("Removing %s before rebuilding it", data_dir)
+            shutil.rmtree(data_dir)
+        started = time.perf_counter()
+        report("read", 0.0)
+        logger.info("Reading %s", archive.path)
+        dataset = read_archive(archive.path)
+        num_train, num_test = len(dataset.train_images), len(dataset.test_images)
+        logger.info("Read %s layout: %d training and %d test images", dataset.layout, num_train, num_test)
         with atomic_directory(data_dir) as temp:
             manifest = _build(temp, dataset, archive, config, key, report)
-    except OSError:
-        # A concurrent run may have renamed its finished directory into place first: use it.
-        manifest = reusable_manifest(data_dir, key)
-        if manifest is None:
-            raise
-        logger.info("Another run finished %s first; reusing it", data_dir)
-        return _result(data_dir, manifest, reused=True)
+            failpoints.reached("data.converted")
     logger.info("Data stage wrote %s in %.1f s", data_dir, time.perf_counter() - started)
     report("done", 1.0)
     return _result(data_dir, manifest, reused=False)
+
+
+def remove_abandoned_partials(root: Path) -> None:
+    """Deletes the temp directories of data stages that died (`.cifar10-<key>.*.partial` whose key nobody holds)."""
+    for partial in root.glob(".cifar10-*.partial"):
+        if not locks.is_held(root / f".{partial.name.split('.')[1]}.lock"):
+            logger.warning("Removing %s, left by a data stage that did not finish", partial)
+            shutil.rmtree(partial, ignore_errors=True)
 
 
 def _fetch(config: DataConfig, workdir: Path, report: ProgressCallback) -> ArchiveInfo:

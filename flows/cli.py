@@ -1,0 +1,243 @@
+"""The command line of the `cifar` flow: `python flows/pipeline.py [options]` (see `--help`).
+
+Flags and `--set` become one validated config, and the request is checked against this machine,
+before anything starts: a bad value or an impossible request exits 2 with one `error:` line. The run
+itself happens in a child process this one supervises: however the child ends (an error, Ctrl-C, the
+OOM killer), none of its processes outlive it, the ephemeral Prefect server included. Tracebacks go
+to `WORKDIR/logs/`; the terminal gets one line per log record and, on failure, one `error:` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from cifar.config import PRESETS, STAGES, PipelineConfig, make_config, resolve_workdir
+from cifar.preflight import ImpossibleRequestError, check_request
+from flows.pipeline import REPO_ROOT, cifar_pipeline
+
+SUPERVISED_ENV = "CIFAR_PIPELINE_SUPERVISED"  # Set in the child: it runs the flow instead of supervising.
+PR_SET_CHILD_SUBREAPER = 36  # prctl option (Linux): orphaned descendants are re-parented to this process.
+
+
+class ConfigError(ValueError):
+    """The command line does not describe a valid configuration."""
+
+
+def parse_value(text: str) -> Any:
+    """A --set value: JSON when it parses (numbers, true/false, null, lists), else the plain string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
+    """`["train.epochs=3", "seed=1"]` -> `{"train": {"epochs": 3}, "seed": 1}`."""
+    overrides: dict[str, Any] = {}
+    for assignment in assignments:
+        key, separator, text = assignment.partition("=")
+        path = key.strip().split(".")
+        if not separator or not all(path):
+            raise ConfigError(f"--set expects section.field=value, got {assignment!r}")
+        target = overrides
+        for part in path[:-1]:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"--set {assignment!r} conflicts with an earlier --set of {part!r}")
+        target[path[-1]] = parse_value(text)
+    return overrides
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line per invalid field: `train.epochs: Input should be greater than or equal to 1 (got 0)`."""
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "config"
+        message = item["msg"].removeprefix("Value error, ")
+        shown = (
+            "" if item["type"] == "missing" or repr(item.get("input")) in message else f" (got {item.get('input')!r})"
+        )
+        lines.append(f"{field}: {message}{shown}")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def config_from_args(args: argparse.Namespace) -> PipelineConfig:
+    """The validated config of a command line; raises ConfigError naming the bad field."""
+    overrides = parse_overrides(args.set or [])
+    data = overrides.setdefault("data", {})
+    if not isinstance(data, dict):
+        raise ConfigError("--set data=... must name a field: data.source=..., data.sha256=...")
+    for field in ("source", "sha256", "md5"):
+        if getattr(args, field) is not None:
+            data[field] = getattr(args, field)
+    if args.fresh:
+        overrides.setdefault("train", {})["resume"] = False
+    try:
+        return make_config(args.preset, overrides)
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python flows/pipeline.py",
+        description="CIFAR-10 from the raw archive to a served model (Prefect flow `cifar`).",
+        epilog="Example: python flows/pipeline.py --source cifar-10-python.tar.gz --preset smoke "
+        "--set train.epochs=3 --until evaluate",
+    )
+    add = parser.add_argument
+    add("--source", help="http(s)/file:// URL or local path of the archive (default: the official one)")
+    add("--sha256", help="expected SHA-256 of the archive (hex)")
+    add("--md5", help="expected MD5 of the archive (hex); official URLs default to the published one")
+    add("--workdir", default="./workdir", help="where data, runs, exports and summary.json go")
+    add("--preset", default="default", choices=sorted(PRESETS), help="named set of settings")
+    add("--until", default="export", choices=STAGES, help="last stage to run (export includes registering)")
+    add("--refresh", action="store_true", help="recompute every stage, even where finished work exists")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true", help="continue the training run (the default)")
+    resume.add_argument("--fresh", action="store_true", help="discard the run's checkpoints (train.resume=false)")
+    help_set = "override one config field, e.g. --set train.epochs=3 (repeatable; values parse as JSON)"
+    add("--set", action="append", metavar="SECTION.FIELD=VALUE", help=help_set)
+    return parser
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few human lines about what the run produced."""
+    states = summary.get("task_states", {})
+
+    def state(*names: str) -> str:
+        shown = [f"{name} {states[name].lower()}" for name in names if name in states]
+        return f"  [{', '.join(shown)}]" if shown else ""
+
+    def percent(value: Any) -> str:
+        return "-" if value is None else f"{100 * value:.2f} %"
+
+    counts = summary.get("counts", {})
+    lines = [
+        f"cifar pipeline done (preset {summary['preset']}, until {summary['until']})",
+        f"  data       {summary['data_dir']}  train/validation/test "
+        f"{counts.get('train')}/{counts.get('validation')}/{counts.get('test')}{state('download', 'prepare')}",
+    ]
+    if "run_name" in summary:
+        lines.append(
+            f"  training   {summary['run_name']}: {summary['epochs_completed']} epochs, best epoch "
+            f"{summary['best_epoch']}, validation accuracy {percent(summary['val_accuracy'])}{state('train')}"
+        )
+    if "test_accuracy" in summary:
+        tta = [
+            f"{name} {percent(summary[key])}"
+            for key, name in (("flip_tta_accuracy", "flip TTA"), ("tta_accuracy", "flip+translate TTA"))
+            if summary.get(key) is not None
+        ]
+        lines.append(
+            f"  test       accuracy {percent(summary['test_accuracy'])}, loss {summary['test_loss']:.4f}"
+            f"{''.join(', ' + item for item in tta)}{state('evaluate')}"
+        )
+    if "export_dir" in summary:
+        lines.append(f"  export     {summary['export_dir']}{state('export')}")
+    if "registered_model_version" in summary:
+        verdict = "champion" if summary.get("champion") else "not promoted"
+        lines.append(
+            f"  registry   version {summary['registered_model_version']}, {verdict}: "
+            f"{summary.get('promotion_reason')}{state('register')}"
+        )
+    if summary.get("mlflow_run_url"):
+        lines.append(f"  mlflow     {summary['mlflow_run_url']}")
+    lines.append(f"  summary    {summary['summary_path']}")
+    return "\n".join(lines)
+
+
+class FirstLineFormatter(logging.Formatter):
+    """Formats a record as `formatter` does, without its traceback: the terminal gets one line per record."""
+
+    def __init__(self, formatter: logging.Formatter | None) -> None:
+        super().__init__()
+        self.formatter = formatter or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return self.formatter.format(record).split("\n", 1)[0]
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+def log_to_file(workdir: Path) -> Path:
+    """Every record, tracebacks included, goes to WORKDIR/logs/pipeline-<UTC time>-<pid>.log; the terminal
+    keeps one line of each."""
+    path = workdir / "logs" / f"pipeline-{datetime.now(UTC):%Y%m%d-%H%M%S}-{os.getpid()}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(path, encoding="utf-8")
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for handler in root.handlers:
+        if type(handler) is not logging.FileHandler and isinstance(handler, logging.StreamHandler):
+            handler.setFormatter(FirstLineFormatter(handler.formatter))
+    root.addHandler(file_handler)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+        check_request(config)
+    except (ConfigError, ImpossibleRequestError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2  # Before any work: nothing was started or written.
+    if os.environ.get(SUPERVISED_ENV) != "1" and sys.platform == "linux":
+        return supervise(sys.argv[1:] if argv is None else list(argv))
+    log_path = log_to_file(resolve_workdir(args.workdir))
+    try:
+        summary = cifar_pipeline(config=config, workdir=args.workdir, until=args.until, refresh=args.refresh)
+    except Exception as error:
+        with open(log_path, "a", encoding="utf-8") as log:
+            log.write(traceback.format_exc())
+        print(f"error: {type(error).__name__}: {error} (full log: {log_path})", file=sys.stderr)
+        return 1
+    print(format_summary(summary))
+    return 0
+
+
+def supervise(argv: list[str]) -> int:
+    """Runs the pipeline in a child process; afterwards no process it started is left running."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # Its orphans (the Prefect server) become ours to end.
+    command = [sys.executable, str(REPO_ROOT / "flows" / "pipeline.py"), *argv]
+    child = subprocess.Popen(command, env={**os.environ, SUPERVISED_ENV: "1"})  # Same process group: Ctrl-C reaches it.
+    try:
+        code = child.wait()
+    except KeyboardInterrupt:
+        code = child.wait()
+    finally:
+        import psutil
+
+        leftovers = psutil.Process().children(recursive=True)
+        for process in leftovers:
+            process.kill()
+        psutil.wait_procs(leftovers, timeout=10)
+    if code < 0:
+        name = signal.Signals(-code).name
+        print(
+            f"error: the pipeline process was killed by {name} (out of memory, or stopped by hand); "
+            "run the same command again to resume",
+            file=sys.stderr,
+        )
+        return 1
+    return code

@@ -1,0 +1,178 @@
+"""The pipeline as a shared service: hostile and impossible requests, concurrent runs, kills in every stage.
+
+Every test runs `python flows/pipeline.py` in real processes, as a terminal or a worker would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+from servers import REPO_ROOT, prefect_env
+
+from cifar.config import make_config
+from cifar.preflight import GIB, ImpossibleRequestError, check_request
+
+SMALL = ["--preset", "smoke", "--set", "train.model=tiny", "--set", "train.epochs=2", "--set", "train.batch_size=100",
+         "--set", "data.validation_size=100", "--set", "data.expect_official_counts=false",
+         "--set", "tracking.system_metrics=false"]  # fmt: skip
+KILL_POINTS = ["data.converted", "train.epoch", "evaluate.scored", "export.saved", "register.registered"]
+
+
+def command(archive: str, workdir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "flows/pipeline.py", "--source", archive, "--workdir", str(workdir), *SMALL, *extra]
+
+
+def run(archive: str, workdir: Path, *extra: str, **env: str) -> subprocess.CompletedProcess:
+    """One pipeline run in a process group of its own (what a kill of "the whole group" reaches)."""
+    environment = prefect_env(workdir.parent / "prefect-home", **env)
+    return subprocess.run(command(archive, workdir, *extra), cwd=REPO_ROOT, capture_output=True, text=True,
+                          env=environment, timeout=600, start_new_session=True)  # fmt: skip
+
+
+def summary_of(workdir: Path) -> dict:
+    return json.loads((workdir / "summary.json").read_text())
+
+
+def shard_digests(data_dir: str) -> dict[str, str]:
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in Path(data_dir).glob("*.tfrecord")}
+
+
+def registry_versions(tracking_uri: str) -> dict[int, str]:
+    """Registered version -> the export directory it was registered from."""
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    return {int(version.version): version.tags["export_dir"] for version in client.search_model_versions("")}
+
+
+def leftovers(workdir: Path) -> list[str]:
+    """Temp files and directories a finished workdir must not hold."""
+    patterns = ("**/*.partial", "**/.tmp-*", "**/*.discarded-*", "**/_alembic_tmp_*")
+    return sorted(str(path) for pattern in patterns for path in workdir.glob(pattern))
+
+
+def assert_consistent(workdir: Path) -> dict:
+    """The end state every finished workdir must have: registry one-to-one with exports, a complete champion."""
+    summary = summary_of(workdir)
+    exports = sorted(str(path) for path in (workdir / "export" / "cifar10").iterdir() if path.name.isdigit())
+    versions = registry_versions(summary["tracking_uri"])
+    assert sorted(versions.values()) == exports and len(set(versions.values())) == len(versions)
+    client = mlflow.MlflowClient(tracking_uri=summary["tracking_uri"], registry_uri=summary["tracking_uri"])
+    champion = client.get_model_version_by_alias("cifar10", "champion")
+    assert Path(versions[int(champion.version)], "saved_model.pb").is_file()
+    assert leftovers(workdir) == []
+    return summary
+
+
+# Hostile and impossible requests: rejected before any work, one line, exit 2.
+
+
+@pytest.mark.parametrize(
+    "arguments, named",
+    [
+        (["--set", "export.model_name=../../x"], "export.model_name"),
+        (["--set", "train.run_name=../escape"], "train.run_name"),
+        (["--set", "tracking.experiment=a/b"], "tracking.experiment"),
+        (["--source", "ftp://example.com/cifar.tar.gz"], "data.source"),
+        (["--set", "tracking.tracking_uri=gopher://example.com"], "tracking.tracking_uri"),
+        (["--set", "train.model=resnet2000000"], "train.model"),
+        (["--set", "train.gpus=4"], "train.gpus"),
+        (["--set", "train.model=resnet20", "--set", "train.batch_size=40000"], "train.batch_size"),
+    ],
+)
+def test_a_hostile_or_impossible_request_fails_before_any_work(python_archive, tmp_path, arguments, named):
+    workdir = tmp_path / "workdir"
+    result = run(python_archive, workdir, *arguments)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0], result.stderr[-3000:]
+    assert not (workdir / "data").exists()
+
+
+def test_the_memory_estimate_refuses_what_cannot_fit_and_says_how_much():
+    check_request(make_config("fast"), available=16 * GIB)  # The presets fit a 16 GiB machine.
+    with pytest.raises(ImpossibleRequestError, match=r"train.batch_size 1024 with fast needs about \d+\.\d GiB"):
+        check_request(make_config("fast"), available=2 * GIB)
+    with pytest.raises(ImpossibleRequestError, match="larger than the 45,000 training examples"):
+        check_request(make_config("default", {"train": {"batch_size": 45_001}}), available=1 << 50)
+
+
+# Concurrency: any number of runs may share a workdir and a tracking store.
+
+
+def test_three_pipelines_started_at_once_on_a_new_workdir_all_finish(python_archive, tmp_path):
+    workdir = tmp_path / "workdir"
+    # Two identical commands (one run folder, one export) and a third training into its own folder.
+    extras = [(), (), ("--set", "train.run_name=b")]
+    processes = [subprocess.Popen(command(python_archive, workdir, *extra), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env=prefect_env(tmp_path / "prefect-home"))
+                 for extra in extras]  # fmt: skip
+    outputs = [process.communicate(timeout=600) for process in processes]
+    for process, (_, stderr) in zip(processes, outputs):
+        assert process.returncode == 0, stderr[-4000:]
+    summary = assert_consistent(workdir)
+    database = Path(summary["tracking_uri"].removeprefix("sqlite:///"))
+    with sqlite3.connect(database) as connection:
+        assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    runs = mlflow.MlflowClient(tracking_uri=summary["tracking_uri"]).search_runs(["1"])
+    assert sorted(run.info.run_name for run in runs)[0] == "b" and len(runs) == 2  # One run per training folder.
+    assert [path.name for path in (workdir / "data").iterdir() if not path.name.startswith(".")] == [
+        Path(summary["data_dir"]).name
+    ]
+    # Each run keeps its own summary beside the workdir's latest one.
+    assert len(list(workdir.glob("runs/*/summary.json"))) == 2
+
+
+# Kills: SIGKILL of the whole process group inside each stage, then a re-run.
+
+
+def test_a_run_killed_inside_each_stage_in_turn_ends_as_a_clean_run_does(python_archive, tmp_path):
+    clean_workdir = tmp_path / "clean" / "workdir"
+    assert run(python_archive, clean_workdir).returncode == 0
+    clean = assert_consistent(clean_workdir)
+
+    workdir = tmp_path / "killed" / "workdir"
+    for point in KILL_POINTS:
+        killed = run(python_archive, workdir, CIFAR_KILL_AT=point)
+        assert killed.returncode == -signal.SIGKILL, f"{point}: {killed.stderr[-3000:]}"
+    final = run(python_archive, workdir)
+    assert final.returncode == 0, final.stderr[-4000:]
+    summary = assert_consistent(workdir)
+
+    assert shard_digests(summary["data_dir"]) == shard_digests(clean["data_dir"])
+    assert Path(summary["data_dir"]).name == Path(clean["data_dir"]).name
+    client = mlflow.MlflowClient(tracking_uri=summary["tracking_uri"])
+    for metric in ("loss", "accuracy", "val_accuracy"):  # Each epoch's metrics once, none lost.
+        assert sorted(entry.step for entry in client.get_metric_history(summary["mlflow_run_id"], metric)) == [1, 2]
+    assert json.loads(Path(summary["run_dir"], "history.json").read_text())["epoch"] == [1, 2]
+    assert summary["export_version"] == 1 and summary["registered_model_version"] == 1 and summary["champion"]
+
+
+def test_a_pipeline_process_killed_alone_leaves_no_process_behind(python_archive, tmp_path):
+    """As the OOM killer would: only the pipeline's own process dies; its supervisor ends the rest."""
+    workdir = tmp_path / "workdir"
+    supervisor = subprocess.Popen(command(python_archive, workdir), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=prefect_env(tmp_path / "prefect-home"),
+                                  start_new_session=True)  # fmt: skip
+    deadline, descendants = time.monotonic() + 120, []
+    while time.monotonic() < deadline:  # Until the pipeline process has started the ephemeral server.
+        descendants = psutil.Process(supervisor.pid).children(recursive=True)
+        if len(descendants) >= 2 and (workdir / "data").exists():
+            break
+        time.sleep(0.2)
+    pipeline = psutil.Process(supervisor.pid).children()[0]
+    descendants = psutil.Process(supervisor.pid).children(recursive=True)
+    assert any("uvicorn" in " ".join(process.cmdline()) for process in descendants)
+    pipeline.send_signal(signal.SIGKILL)
+    _, stderr = supervisor.communicate(timeout=60)
+    assert supervisor.returncode == 1 and "killed by SIGKILL" in stderr.strip().splitlines()[-1]
+    assert not [process for process in descendants if process.is_running() and process.status() != "zombie"]
