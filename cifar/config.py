@@ -34,6 +34,9 @@ MAX_RESNET_DEPTH = 1202  # The deepest CIFAR ResNet of the ResNet paper (19.4 M 
 SOURCE_SCHEMES = frozenset({"", "file", "http", "https"})  # "" is a local path.
 TRACKING_SCHEMES = frozenset({"http", "https", "sqlite", "postgresql", "mysql", "file", "databricks"})
 
+# The presets (PRESETS below): a closed set, so a server validates the choice before a run is created.
+PresetName = Literal["default", "smoke", "full", "fast", "sprint"]
+
 STAGES = ("data", "train", "evaluate", "export")
 Stage = Literal["data", "train", "evaluate", "export"]
 
@@ -217,7 +220,7 @@ class TrackingConfig(Section):
 class PipelineConfig(Section):
     """Everything a pipeline run needs, validated once and passed down."""
 
-    preset: str = "default"
+    preset: PresetName = Field("default", description="The named recipe every other field overrides.")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()

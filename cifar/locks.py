@@ -57,6 +57,9 @@ def is_held(path: str | Path) -> bool:
         return False
 
 
-def lock_path(target: Path) -> Path:
-    """The lock guarding `target`: a hidden file beside it (`.<name>.lock`)."""
-    return target.with_name(f".{target.name}.lock")
+def lock_path(target: Path, purpose: str = "lock") -> Path:
+    """The lock guarding `target` = WORKDIR/<area>/<name>: WORKDIR/.locks/<area>/<name>.<purpose>.
+
+    Kept out of the areas themselves, so `data/`, `runs/` and `export/` list only what they hold.
+    """
+    return target.parents[1] / ".locks" / target.parent.name / f"{target.name}.{purpose}"

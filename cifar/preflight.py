@@ -8,11 +8,10 @@ plus the in-memory dataset cache and the runtime), deliberately on the generous 
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 
 from cifar.config import TRAIN_EXAMPLES, PipelineConfig, TrainConfig, parse_model_name
+from cifar.quiet import import_tensorflow
 
 GIB = 1 << 30
 RUNTIME_BYTES = 1 * GIB  # TensorFlow, Keras, Prefect and MLflow in one process.
@@ -75,22 +74,9 @@ def _check_devices(train: TrainConfig) -> None:
     if not train.gpus and not os.environ.get("TF_CONFIG"):
         return
     try:
-        with framework_output_silenced():  # TensorFlow's C++ start-up lines bypass every log setting.
-            from cifar.distribute import plan_devices
+        import_tensorflow()
+        from cifar.distribute import plan_devices
 
-            plan_devices(train)
+        plan_devices(train)
     except ValueError as error:
         raise ImpossibleRequestError(f"train.gpus: {error}") from None
-
-
-@contextlib.contextmanager
-def framework_output_silenced() -> Iterator[None]:
-    """Sends file descriptor 2 to /dev/null for the block (C++ libraries write there directly)."""
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)

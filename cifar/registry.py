@@ -193,7 +193,7 @@ def register_and_promote(
     model_name = config.export.model_name
     # The registry lives in the tracking store; never in a registry some other code set globally.
     client = mlflow_client(tracking_uri)
-    lock = Path(export_result.export_dir).parent / ".register.lock"
+    lock = locks.lock_path(Path(export_result.export_dir).parent, "register")
     with locks.exclusive(lock, f"registering into {model_name}"):
         register = config.export.register_model
         version = registered_version(client, model_name, export_result.key) if register else None

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from cifar.config import PRESETS, STAGES, PipelineConfig, make_config, resolve_workdir
 from cifar.preflight import ImpossibleRequestError, check_request
 from flows.pipeline import REPO_ROOT, cifar_pipeline
+from tasks.artifacts import format_summary
 
 SUPERVISED_ENV = "CIFAR_PIPELINE_SUPERVISED"  # Set in the child: it runs the flow instead of supervising.
 PR_SET_CHILD_SUBREAPER = 36  # prctl option (Linux): orphaned descendants are re-parented to this process.
@@ -113,52 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
     help_set = "override one config field, e.g. --set train.epochs=3 (repeatable; values parse as JSON)"
     add("--set", action="append", metavar="SECTION.FIELD=VALUE", help=help_set)
     return parser
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """A few human lines about what the run produced."""
-    states = summary.get("task_states", {})
-
-    def state(*names: str) -> str:
-        shown = [f"{name} {states[name].lower()}" for name in names if name in states]
-        return f"  [{', '.join(shown)}]" if shown else ""
-
-    def percent(value: Any) -> str:
-        return "-" if value is None else f"{100 * value:.2f} %"
-
-    counts = summary.get("counts", {})
-    lines = [
-        f"cifar pipeline done (preset {summary['preset']}, until {summary['until']})",
-        f"  data       {summary['data_dir']}  train/validation/test "
-        f"{counts.get('train')}/{counts.get('validation')}/{counts.get('test')}{state('download', 'prepare')}",
-    ]
-    if "run_name" in summary:
-        lines.append(
-            f"  training   {summary['run_name']}: {summary['epochs_completed']} epochs, best epoch "
-            f"{summary['best_epoch']}, validation accuracy {percent(summary['val_accuracy'])}{state('train')}"
-        )
-    if "test_accuracy" in summary:
-        tta = [
-            f"{name} {percent(summary[key])}"
-            for key, name in (("flip_tta_accuracy", "flip TTA"), ("tta_accuracy", "flip+translate TTA"))
-            if summary.get(key) is not None
-        ]
-        lines.append(
-            f"  test       accuracy {percent(summary['test_accuracy'])}, loss {summary['test_loss']:.4f}"
-            f"{''.join(', ' + item for item in tta)}{state('evaluate')}"
-        )
-    if "export_dir" in summary:
-        lines.append(f"  export     {summary['export_dir']}{state('export')}")
-    if "registered_model_version" in summary:
-        verdict = "champion" if summary.get("champion") else "not promoted"
-        lines.append(
-            f"  registry   version {summary['registered_model_version']}, {verdict}: "
-            f"{summary.get('promotion_reason')}{state('register')}"
-        )
-    if summary.get("mlflow_run_url"):
-        lines.append(f"  mlflow     {summary['mlflow_run_url']}")
-    lines.append(f"  summary    {summary['summary_path']}")
-    return "\n".join(lines)
 
 
 class FirstLineFormatter(logging.Formatter):

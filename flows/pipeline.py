@@ -31,7 +31,7 @@ from prefect import flow  # noqa: E402
 from cifar import failpoints  # noqa: E402
 from cifar.config import STAGES, PipelineConfig, Stage, make_config, resolve_workdir  # noqa: E402
 from cifar.preflight import check_request  # noqa: E402
-from tasks.artifacts import mlflow_run_url, publish_report, write_summary  # noqa: E402
+from tasks.artifacts import format_summary, mlflow_run_url, publish_report, write_summary  # noqa: E402
 from tasks.caching import result_storage  # noqa: E402
 from tasks.data import download_archive, prepare_dataset  # noqa: E402
 from tasks.evaluation import evaluate_model, export_model, register_model  # noqa: E402
@@ -151,6 +151,7 @@ def cifar_pipeline(
     summary["task_states"] = stages.states
     summary["summary_path"] = write_summary(summary, workdir)
     publish_report(summary)
+    print(format_summary(summary))  # The same lines as the command line's, in the flow run's logs (log_prints).
     return summary
 
 

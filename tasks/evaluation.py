@@ -7,6 +7,7 @@ from pathlib import Path
 from cifar.checkpoints import index_digest
 from cifar.config import PipelineConfig
 from cifar.evaluate import find_evaluation
+from cifar.quiet import import_tensorflow
 from cifar.results import DataResult, EvaluationResult, ExportResult, PromotionResult, TrainResult
 from cifar.reuse import evaluation_key, export_key, registration_key
 from cifar.workdir import find_export
@@ -31,6 +32,8 @@ def evaluate_model(
     """Evaluates the best checkpoint (by validation accuracy) on the test split."""
     from cifar.evaluate import evaluate
 
+    import_tensorflow()
+
     return evaluate(config, dataset.data_dir, training.checkpoint_dir, workdir, refresh=refresh, **logged_to(training))
 
 
@@ -48,6 +51,7 @@ def export_model(
     refresh: bool = False,
 ) -> ExportResult:
     """Exports the evaluated checkpoint as a verified SavedModel version (an earlier one of the same key is kept)."""
+    import_tensorflow()
     from cifar.export import export_model as export_saved_model
 
     data_dir, checkpoint_dir = dataset.data_dir, training.checkpoint_dir
@@ -66,6 +70,7 @@ def register_model(
     config: PipelineConfig, training: TrainResult, evaluation: EvaluationResult, export: ExportResult
 ) -> PromotionResult:
     """Registers the export in MLflow and moves the champion alias only if it passes the gate."""
+    import_tensorflow()
     from cifar.registry import register_and_promote
 
     return register_and_promote(config, export, evaluation.test_accuracy, **logged_to(training))

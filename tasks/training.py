@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cifar.checkpoints import RunDirectory
 from cifar.config import PipelineConfig
+from cifar.quiet import import_tensorflow
 from cifar.results import DataResult, TrainResult
 from cifar.reuse import training_key
 from tasks import faults
@@ -19,6 +20,7 @@ from tasks.caching import stage_task
 )
 def train_model(config: PipelineConfig, dataset: DataResult, workdir: str, refresh: bool = False) -> TrainResult:
     """Trains the model, resuming from the last checkpoint of the same run when there is one."""
+    import_tensorflow()
     from cifar.train import train
 
     progress = ProgressReporter("training", f"Training {config.train.model} for {config.train.epochs} epochs")

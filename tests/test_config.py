@@ -50,3 +50,14 @@ def test_official_md5_applies_only_to_official_source():
     assert make_config().data.expected_md5() == "c58f30108f718f92721af3b95e74349a"
     local = make_config("default", {"data": {"source": "/tmp/x.tar.gz", "sha256": "a" * 64}})
     assert local.data.expected_md5() is None
+
+
+def test_the_preset_is_a_closed_choice_that_lists_every_preset():
+    from typing import get_args
+
+    from cifar.config import PRESETS, PipelineConfig, PresetName
+
+    assert set(get_args(PresetName)) == set(PRESETS)
+    assert PipelineConfig.model_json_schema()["properties"]["preset"]["enum"] == list(get_args(PresetName))
+    with pytest.raises(ValueError, match="preset"):
+        PipelineConfig(preset="smok")

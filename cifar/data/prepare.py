@@ -107,7 +107,7 @@ def prepare_data(
 def remove_abandoned_partials(root: Path) -> None:
     """Deletes the temp directories of data stages that died (`.cifar10-<key>.*.partial` whose key nobody holds)."""
     for partial in root.glob(".cifar10-*.partial"):
-        if not locks.is_held(root / f".{partial.name.split('.')[1]}.lock"):
+        if not locks.is_held(locks.lock_path(root / partial.name.split(".")[1])):
             logger.warning("Removing %s, left by a data stage that did not finish", partial)
             shutil.rmtree(partial, ignore_errors=True)
 
