@@ -10,6 +10,7 @@ Each section belongs to one stage: `data`, `train`, `evaluate`, `export`, `track
 from __future__ import annotations
 
 import copy
+import os
 import re
 import urllib.parse
 from pathlib import Path
@@ -36,6 +37,8 @@ TRACKING_SCHEMES = frozenset({"http", "https", "sqlite", "postgresql", "mysql", 
 
 # The presets (PRESETS below): a closed set, so a server validates the choice before a run is created.
 PresetName = Literal["default", "smoke", "full", "fast", "sprint"]
+
+WORKDIR_ROOT_ENV = "CIFAR_WORKDIR_ROOT"  # Set on a worker: every workdir must lie inside it.
 
 STAGES = ("data", "train", "evaluate", "export")
 Stage = Literal["data", "train", "evaluate", "export"]
@@ -298,7 +301,17 @@ def make_config(preset: str = "default", overrides: dict[str, Any] | None = None
 
 
 def resolve_workdir(workdir: str | Path) -> Path:
-    """The absolute workdir, created if missing."""
-    path = Path(workdir).expanduser().resolve()
+    """The absolute workdir, created if missing; inside `CIFAR_WORKDIR_ROOT` when that is set.
+
+    A worker that runs whatever the deployment form sends sets CIFAR_WORKDIR_ROOT to confine every
+    run's files to one tree; a workdir outside it is refused before anything is written.
+    """
+    text = str(workdir)
+    if not text.strip() or any(ord(character) < 32 for character in text):
+        raise ValueError(f"workdir must be a path without control characters, got {text!r}")
+    path = Path(text).expanduser().resolve()
+    root = os.environ.get(WORKDIR_ROOT_ENV)
+    if root and not path.is_relative_to(Path(root).expanduser().resolve()):
+        raise ValueError(f"workdir {path} is outside {WORKDIR_ROOT_ENV}={root}: choose a workdir inside it")
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cifar import locks
 from cifar.config import PRESETS, STAGES, PipelineConfig, make_config, resolve_workdir
 from cifar.preflight import ImpossibleRequestError, check_request
 from flows.pipeline import REPO_ROOT, cifar_pipeline
@@ -153,12 +154,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         check_request(config)
-    except (ConfigError, ImpossibleRequestError) as error:
+        workdir = resolve_workdir(args.workdir)
+    except (ValueError, ImpossibleRequestError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2  # Before any work: nothing was started or written.
     if os.environ.get(SUPERVISED_ENV) != "1" and sys.platform == "linux":
+        prepare_ephemeral_database()
         return supervise(sys.argv[1:] if argv is None else list(argv))
-    log_path = log_to_file(resolve_workdir(args.workdir))
+    log_path = log_to_file(workdir)
     try:
         summary = cifar_pipeline(config=config, workdir=args.workdir, until=args.until, refresh=args.refresh)
     except Exception as error:
@@ -168,6 +171,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(format_summary(summary))
     return 0
+
+
+def prepare_ephemeral_database() -> None:
+    """Creates Prefect's own SQLite database once, under a lock, when no server is configured.
+
+    Without a server every run starts a temporary one, which creates and migrates the database under
+    PREFECT_HOME on first use; runs started at once on a fresh machine would migrate it together.
+    """
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url:
+        return
+    url = get_current_settings().server.database.connection_url.get_secret_value()
+    if not url.startswith("sqlite+aiosqlite:///"):
+        return
+    database = Path(url.removeprefix("sqlite+aiosqlite:///"))
+    with locks.exclusive(database.with_name(f".{database.name}.lock"), f"Prefect's database {database}"):
+        if not database.exists():
+            command = [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"]
+            subprocess.run(command, check=True, capture_output=True, timeout=300)
 
 
 def supervise(argv: list[str]) -> int:

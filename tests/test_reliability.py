@@ -176,3 +176,28 @@ def test_a_pipeline_process_killed_alone_leaves_no_process_behind(python_archive
     _, stderr = supervisor.communicate(timeout=60)
     assert supervisor.returncode == 1 and "killed by SIGKILL" in stderr.strip().splitlines()[-1]
     assert not [process for process in descendants if process.is_running() and process.status() != "zombie"]
+
+
+def test_a_workdir_outside_the_workers_root_is_refused(python_archive, tmp_path):
+    root, outside = tmp_path / "allowed", tmp_path / "elsewhere" / "workdir"
+    result = run(python_archive, outside, CIFAR_WORKDIR_ROOT=str(root))
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"error: workdir {outside} is outside CIFAR_WORKDIR_ROOT={root}: choose a workdir inside it"
+    ]
+    assert not outside.exists()
+
+
+def test_a_store_left_half_migrated_is_repaired_without_losing_runs(tmp_path, monkeypatch):
+    from cifar import tracking
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = tracking.mlflow_client(uri).create_run(tracking.ensure_experiment(uri, tmp_path, "cifar10")).info.run_id
+    with sqlite3.connect(tmp_path / "mlflow.db") as connection:  # What a migration killed halfway leaves.
+        connection.execute("CREATE TABLE _alembic_tmp_model_versions AS SELECT * FROM model_versions")
+        connection.execute("CREATE TABLE _alembic_tmp_runs AS SELECT * FROM runs")
+        connection.execute("DROP TABLE runs")
+    monkeypatch.setattr(tracking, "_READY_STORES", set())  # As a new process finds it.
+    assert tracking.mlflow_client(uri).get_run(run_id).info.run_id == run_id
+    with sqlite3.connect(tmp_path / "mlflow.db") as connection:
+        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert "runs" in tables and not [name for name in tables if name.startswith("_alembic_tmp_")]
