@@ -206,30 +206,20 @@ def register_and_promote(
             if version is None:
                 model_info = log_pyfunc_model(export_result, _input_example(input_example))
                 model_uri = model_info.model_uri
-            if not register:
-                result = PromotionResult(
-                    key=key,
-                    registered_model_version=None,
-                    champion=False,
-                    test_accuracy=test_accuracy,
-                    champion_accuracy_before=None,
-                    model_uri=model_uri,
-                    reason="registration disabled (export.register_model is false)",
-                )
-            else:
-                if version is None:
-                    tags = {
-                        EXPORT_KEY_TAG: export_result.key,
-                        ACCURACY_TAG: repr(float(test_accuracy)),
-                        "export_version": str(export_result.version),
-                        "export_dir": export_result.export_dir,
-                        "epoch": str(export_result.epoch),
-                    }
-                    number = register_version(client, model_name, model_info, tags)
-                    failpoints.reached("register.registered")
-                else:  # Registered by an attempt that died before the gate decided.
-                    number, model_uri = int(version.version), version.source
-                result = _gate(client, config, key, number, model_uri, test_accuracy)
+            number = None  # Registration disabled: the gate has nothing to move.
+            if register and version is None:
+                tags = {
+                    EXPORT_KEY_TAG: export_result.key,
+                    ACCURACY_TAG: repr(float(test_accuracy)),
+                    "export_version": str(export_result.version),
+                    "export_dir": export_result.export_dir,
+                    "epoch": str(export_result.epoch),
+                }
+                number = register_version(client, model_name, model_info, tags)
+                failpoints.reached("register.registered")
+            elif register:  # Registered by an attempt that died before the gate decided.
+                number, model_uri = int(version.version), version.source
+            result = _gate(client, config, key, number, model_uri, test_accuracy)
             _log_decision(result)
     return result
 
@@ -241,21 +231,24 @@ def _input_example(input_example: np.ndarray | None) -> np.ndarray:
 
 
 def _gate(
-    client, config: PipelineConfig, key: str, version: int, model_uri: str, test_accuracy: float
+    client, config: PipelineConfig, key: str, version: int | None, model_uri: str, test_accuracy: float
 ) -> PromotionResult:
-    """Applies the promotion gate to the champion alias, then records the decision on the version."""
+    """Applies the promotion gate to the champion alias, then records the decision on the version (if any)."""
     model_name = config.export.model_name
-    champion_version, champion_accuracy = current_champion(client, model_name)
+    champion_version, champion_accuracy = current_champion(client, model_name) if version else (None, None)
     if champion_version == version:  # An earlier attempt moved the alias, then died before recording it.
         champion_version, champion_accuracy = None, None
+    gate = config.export
     promote, reason = promotion_decision(
         test_accuracy,
         champion_accuracy,
-        min_accuracy=config.export.min_accuracy,
-        tolerance=config.export.tolerance,
+        min_accuracy=gate.min_accuracy,
+        tolerance=gate.tolerance,
         champion_version=champion_version,
     )
-    if promote:
+    if version is None:
+        promote, reason = False, "registration disabled (export.register_model is false)"
+    elif promote:
         client.set_registered_model_alias(model_name, CHAMPION_ALIAS, str(version))
     result = PromotionResult(
         key=key,
@@ -267,7 +260,8 @@ def _gate(
         model_uri=model_uri,
         reason=reason,
     )
-    client.set_model_version_tag(model_name, str(version), DECISION_TAG, result.model_dump_json(exclude={"reused"}))
+    if version is not None:
+        client.set_model_version_tag(model_name, str(version), DECISION_TAG, result.model_dump_json(exclude={"reused"}))
     return result
 
 
