@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -25,7 +26,9 @@ from cifar.preflight import GIB, ImpossibleRequestError, check_request
 SMALL = ["--preset", "smoke", "--set", "train.model=tiny", "--set", "train.epochs=2", "--set", "train.batch_size=100",
          "--set", "data.validation_size=100", "--set", "data.expect_official_counts=false",
          "--set", "tracking.system_metrics=false"]  # fmt: skip
-KILL_POINTS = ["data.converted", "train.epoch", "evaluate.scored", "export.saved", "register.registered"]
+# In pipeline order, so each run gets one stage further than the last before it is killed.
+KILL_POINTS = ["data.converted", "train.epoch", "evaluate.scored", "export.saved", "before:register",
+               "register.registered"]  # fmt: skip
 
 
 def command(archive: str, workdir: Path, *extra: str) -> list[str]:
@@ -155,6 +158,20 @@ def test_a_run_killed_inside_each_stage_in_turn_ends_as_a_clean_run_does(python_
         assert sorted(entry.step for entry in client.get_metric_history(summary["mlflow_run_id"], metric)) == [1, 2]
     assert json.loads(Path(summary["run_dir"], "history.json").read_text())["epoch"] == [1, 2]
     assert summary["export_version"] == 1 and summary["registered_model_version"] == 1 and summary["champion"]
+
+    # Without Prefect's records (a new worker machine, say) the library finds every stage's work again.
+    shutil.rmtree(workdir / "prefect-results")
+    again = run(python_archive, workdir)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert summary_of(workdir)["task_states"] == {
+        "download": "Completed",
+        "prepare": "Reused",
+        "train": "Reused",
+        "evaluate": "Reused",
+        "export": "Reused",
+        "register": "Reused",
+    }
+    assert assert_consistent(workdir)["registered_model_version"] == 1
 
 
 def test_a_pipeline_process_killed_alone_leaves_no_process_behind(python_archive, tmp_path):
