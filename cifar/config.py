@@ -14,9 +14,9 @@ import os
 import re
 import urllib.parse
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from cifar.io import normalise_digest
 
@@ -120,7 +120,11 @@ class DataConfig(Section):
 class TrainConfig(Section):
     """Model, optimizer, schedule, devices and checkpointing."""
 
-    model: str = Field("resnet20", description="tutorial | resnet{6n+2} | fast | tiny")
+    model: str = Field(
+        "resnet20",
+        pattern=r"^(tutorial|fast|tiny|resnet[0-9]{1,4})$",
+        description="tutorial | resnet{6n+2} | fast | tiny",
+    )
     epochs: int = Field(30, ge=1, le=10_000)
     batch_size: int = Field(128, ge=1, le=65_536, description="Global batch size (all replicas).")
     steps_per_epoch: int | None = Field(None, ge=1, description="Cap on steps per epoch (smoke runs).")
@@ -298,6 +302,58 @@ def make_config(preset: str = "default", overrides: dict[str, Any] | None = None
     values = _deep_merge(PRESETS[preset], overrides or {})
     values["preset"] = preset
     return PipelineConfig.model_validate(values)
+
+
+FROM_PRESET = "Empty: from the preset."  # How a form field left alone reads in the Prefect UI.
+
+
+def _overrides_model(model: type[BaseModel]) -> type[BaseModel]:
+    """`model` with every field optional and None by default: what a deployment form submits.
+
+    A form fills every field it shows with its schema default; with the config's own defaults there,
+    an untouched "Custom run" of the smoke deployment would override the smoke preset with the default
+    one. Here a field left alone is null, and null means "the preset's value". Types, ranges and closed
+    sets stay in the schema, so the server rejects a bad value before it creates a run.
+    """
+    fields: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            section = _overrides_model(annotation)
+            fields[name] = (section, Field(default_factory=section, description=field.description))
+            continue
+        constrained = Annotated[(annotation, *field.metadata)] if field.metadata else annotation
+        description = f"{field.description} {FROM_PRESET}" if field.description else FROM_PRESET
+        fields[name] = (Optional[constrained], Field(None, description=description))  # noqa: UP045
+    return create_model(f"{model.__name__}Overrides", __base__=Section, __doc__=model.__doc__, **fields)
+
+
+class ConfigOverrides(_overrides_model(PipelineConfig)):  # type: ignore[misc]
+    """A preset plus the fields that differ from it: the `config` parameter of every flow."""
+
+    preset: PresetName = Field("default", description="The named recipe; every field left empty comes from it.")
+
+    @classmethod
+    def of(cls, config: PipelineConfig) -> ConfigOverrides:
+        """Overrides that resolve to exactly `config` (every field given)."""
+        return cls.model_validate(config.model_dump())
+
+    def resolve(self) -> PipelineConfig:
+        """The preset's config with the given (non-empty) fields on top, validated as a whole."""
+        return make_config(self.preset, _given(self.model_dump(exclude={"preset"})))
+
+
+def _given(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` without the None leaves (fields left empty) and without sections left wholly empty."""
+    given: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            value = _given(value)
+            if value:
+                given[key] = value
+        elif value is not None:
+            given[key] = value
+    return given
 
 
 def resolve_workdir(workdir: str | Path) -> Path:

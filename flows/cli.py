@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cifar import locks
-from cifar.config import PRESETS, STAGES, PipelineConfig, make_config, resolve_workdir
+from cifar.config import PRESETS, STAGES, ConfigOverrides, PipelineConfig, make_config, resolve_workdir
 from cifar.preflight import ImpossibleRequestError, check_request
 from flows.pipeline import REPO_ROOT, cifar_pipeline
 from tasks.artifacts import format_summary
@@ -163,7 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return supervise(sys.argv[1:] if argv is None else list(argv))
     log_path = log_to_file(workdir)
     try:
-        summary = cifar_pipeline(config=config, workdir=args.workdir, until=args.until, refresh=args.refresh)
+        summary = cifar_pipeline(
+            config=ConfigOverrides.of(config), workdir=args.workdir, until=args.until, refresh=args.refresh
+        )
     except Exception as error:
         with open(log_path, "a", encoding="utf-8") as log:
             log.write(traceback.format_exc())

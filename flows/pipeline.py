@@ -27,9 +27,11 @@ if str(REPO_ROOT) not in sys.path:  # `python flows/pipeline.py` from a checkout
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 from prefect import flow  # noqa: E402
+from prefect.runtime import deployment, flow_run  # noqa: E402
 
 from cifar import failpoints  # noqa: E402
-from cifar.config import STAGES, PipelineConfig, Stage, make_config, resolve_workdir  # noqa: E402
+from cifar.config import STAGES, ConfigOverrides, PipelineConfig, Stage, resolve_workdir  # noqa: E402
+from cifar.io import atomic_write_json  # noqa: E402
 from cifar.preflight import check_request  # noqa: E402
 from tasks.artifacts import format_summary, mlflow_run_url, publish_report, write_summary  # noqa: E402
 from tasks.caching import result_storage  # noqa: E402
@@ -77,6 +79,7 @@ EVALUATION_FIELDS = {
     "metrics_path",
     "predictions_path",
 }
+DRY_RUN_ENV = "CIFAR_DRY_RUN"  # A directory: each flow run writes its resolved plan there and runs nothing.
 STAGE_LOGGERS = ("cifar", "tasks")  # PREFECT_LOGGING_EXTRA_LOGGERS=cifar,tasks also sends them to the API.
 
 
@@ -88,41 +91,47 @@ def show_stage_logs() -> None:
             logger.setLevel(logging.INFO)
 
 
+def dry_run_plan(flow_name: str, config: PipelineConfig, workdir: str, **details: Any) -> dict[str, Any] | None:
+    """With CIFAR_DRY_RUN=DIR set on the worker: the run's resolved plan, written to DIR/<flow run id>/summary.json.
+
+    A worker started this way checks what deployments and forms would run (their resolved config,
+    validated and through the pre-flight checks) without downloading, training or writing to a workdir.
+    Without the variable this returns None and the flow runs as usual.
+    """
+    directory = os.environ.get(DRY_RUN_ENV)
+    if not directory:
+        return None
+    run_id = flow_run.get_id() or "local"
+    plan = {"dry_run": True, "flow": flow_name, "flow_run_id": run_id, "workdir": str(Path(workdir).resolve())}
+    plan["deployment_id"] = deployment.get_id() or flow_run.get_parent_deployment_id()
+    plan |= {"preset": config.preset, "config": config.model_dump(mode="json"), **details}
+    plan["summary_path"] = str(atomic_write_json(Path(directory) / run_id / "summary.json", plan))
+    print(f"Dry run ({DRY_RUN_ENV}): resolved config of preset {config.preset} written to {plan['summary_path']}")
+    return plan
+
+
 def reaches(until: str, stage: str) -> bool:
     """Whether a run that stops after `until` includes `stage`."""
     return STAGES.index(stage) <= STAGES.index(until)
 
 
-def with_preset(config: PipelineConfig) -> PipelineConfig:
-    """The config's preset with the explicitly given fields on top.
-
-    A deployment or the UI passes `{"preset": "smoke", "train": {"epochs": 3}}`; pydantic fills the
-    rest with defaults, so without this the smoke preset's own settings would be lost.
-    """
-    return make_config(config.preset, explicit_fields(config))
-
-
-def explicit_fields(model) -> dict[str, Any]:
-    """The fields set explicitly on a pydantic model (recursively), as plain values."""
-    explicit: dict[str, Any] = {}
-    for name in model.model_fields_set:
-        value = getattr(model, name)
-        explicit[name] = explicit_fields(value) if hasattr(value, "model_fields_set") else value
-    explicit.pop("preset", None)
-    return explicit
-
-
 @flow(name="cifar", log_prints=True)
 def cifar_pipeline(
-    config: PipelineConfig = PipelineConfig(),
+    config: ConfigOverrides = ConfigOverrides(),
     workdir: str = "./workdir",
     until: Stage = "export",
     refresh: bool = False,
 ) -> dict[str, Any]:
-    """CIFAR-10 from the archive to a gated, exported model; stops after `until`."""
+    """CIFAR-10 from the archive to a gated, exported model; stops after `until`.
+
+    `config` is a preset plus the fields that differ from it; a field left empty comes from the preset.
+    """
     show_stage_logs()
-    config = with_preset(config)
+    config = config.resolve()
     check_request(config)  # Devices, batch and memory: an impossible request fails before any work.
+    plan = dry_run_plan("cifar", config, workdir, until=until)
+    if plan:
+        return plan
     workdir = str(resolve_workdir(workdir))
     stages = Stages(workdir, refresh=refresh, fresh=not config.train.resume)
 

@@ -21,8 +21,8 @@ if str(REPO_ROOT) not in sys.path:
 from prefect import flow  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 
-from cifar.config import PipelineConfig  # noqa: E402
-from flows.pipeline import cifar_pipeline, with_preset  # noqa: E402
+from cifar.config import ConfigOverrides  # noqa: E402
+from flows.pipeline import cifar_pipeline  # noqa: E402
 
 
 def retrain_run_name(flow_run_id: str | None, now: datetime | None = None) -> str:
@@ -33,12 +33,14 @@ def retrain_run_name(flow_run_id: str | None, now: datetime | None = None) -> st
 
 
 @flow(name="cifar-retrain", log_prints=True)
-def retrain(config: PipelineConfig = PipelineConfig(preset="full"), workdir: str = "./workdir") -> dict[str, Any]:
+def retrain(config: ConfigOverrides = ConfigOverrides(preset="full"), workdir: str = "./workdir") -> dict[str, Any]:
     """Retrains from scratch into a new run directory, then evaluates, exports and gates the model."""
-    config = with_preset(config)
+    config = config.resolve()
     run_name = retrain_run_name(flow_run.get_id())
     config = config.model_copy(update={"train": config.train.model_copy(update={"run_name": run_name})})
-    summary = cifar_pipeline(config=config, workdir=workdir, until="export")
+    summary = cifar_pipeline(config=ConfigOverrides.of(config), workdir=workdir, until="export")
+    if summary.get("dry_run"):
+        return summary
     print(
         f"Retrained {run_name}: test accuracy {summary['test_accuracy']:.4f}, "
         f"champion={summary.get('champion')} ({summary.get('promotion_reason')})"

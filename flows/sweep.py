@@ -14,7 +14,7 @@ import itertools
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
@@ -22,9 +22,9 @@ if str(REPO_ROOT) not in sys.path:
 
 from prefect import flow  # noqa: E402
 
-from cifar.config import PipelineConfig, Stage  # noqa: E402
+from cifar.config import ConfigOverrides, PipelineConfig  # noqa: E402
 from cifar.tracking import mark_failed, resolve_tracking_uri  # noqa: E402
-from flows.pipeline import cifar_pipeline, with_preset  # noqa: E402
+from flows.pipeline import cifar_pipeline, dry_run_plan  # noqa: E402
 from tasks.sweep import attach_child_run, close_sweep_run, open_sweep_run  # noqa: E402
 
 ROW_FIELDS = ("val_accuracy", "test_accuracy", "mlflow_run_id", "run_name")
@@ -38,27 +38,29 @@ def grid_point(config: PipelineConfig, model: str, learning_rate: float) -> Pipe
 
 @flow(name="cifar-sweep", log_prints=True)
 def sweep(
-    config: PipelineConfig = PipelineConfig(preset="smoke"),
+    config: ConfigOverrides = ConfigOverrides(preset="smoke"),
     models: list[str] = ["tiny", "tutorial"],  # noqa: B006  Prefect renders the default in the UI.
     learning_rates: list[float] = [0.02, 0.05],  # noqa: B006
     workdir: str = "./workdir",
-    until: Stage = "evaluate",
+    until: Literal["train", "evaluate", "export"] = "evaluate",  # A sweep compares trained models.
 ) -> dict[str, Any]:
     """Runs the pipeline for every (model, learning rate) and groups the MLflow runs under one parent."""
-    if until == "data":
-        raise ValueError("until must be train, evaluate or export: a sweep compares trained models")
-    config = with_preset(config)
+    config = config.resolve()
     points = [grid_point(config, model, rate) for model, rate in itertools.product(models, learning_rates)]
+    grid = {"model": models, "learning_rate": learning_rates}
+    plan = dry_run_plan("cifar-sweep", config, workdir, until=until, grid=grid)
+    if plan:
+        return plan
     tracking_uri = resolve_tracking_uri(config.tracking, workdir)
-    parent_run_id = open_sweep_run(
-        config, workdir, f"sweep-{datetime.now(UTC):%Y%m%d-%H%M%S}", {"model": models, "learning_rate": learning_rates}
-    )
+    parent_run_id = open_sweep_run(config, workdir, f"sweep-{datetime.now(UTC):%Y%m%d-%H%M%S}", grid)
 
     rows = []
     try:
         for point in points:
             name = f"{point.train.model}-lr{point.train.learning_rate:g}"
-            summary = cifar_pipeline.with_options(flow_run_name=name)(config=point, workdir=workdir, until=until)
+            summary = cifar_pipeline.with_options(flow_run_name=name)(
+                config=ConfigOverrides.of(point), workdir=workdir, until=until
+            )
             attach_child_run(tracking_uri, parent_run_id, summary["mlflow_run_id"])
             row = {"model": point.train.model, "learning_rate": point.train.learning_rate}
             rows.append(row | {key: summary.get(key) for key in ROW_FIELDS})

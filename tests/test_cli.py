@@ -8,9 +8,8 @@ import sys
 import pytest
 from servers import REPO_ROOT
 
-from cifar.config import OFFICIAL_PYTHON_URL, make_config
+from cifar.config import OFFICIAL_PYTHON_URL, PRESETS, ConfigOverrides, make_config
 from flows.cli import ConfigError, build_parser, config_from_args, parse_overrides, parse_value
-from flows.pipeline import explicit_fields, with_preset
 
 SHA256 = "ab" * 32
 
@@ -127,10 +126,21 @@ def test_unknown_preset_and_stage_are_rejected_by_the_parser(capsys):
 
 def test_a_partial_config_is_completed_from_its_preset():
     # What a deployment passes: the preset's own settings plus the explicit ones on top.
-    partial = type(make_config())(**{"preset": "smoke", "train": {"epochs": 5}})
-    config = with_preset(partial)
+    config = ConfigOverrides.model_validate({"preset": "smoke", "train": {"epochs": 5}}).resolve()
     assert config.train.epochs == 5
     assert config.train.model == make_config("smoke").train.model
     assert config.evaluate.flip_tta is False  # From the smoke preset, not the default.
-    assert with_preset(config) == config  # Idempotent for a complete config.
-    assert explicit_fields(make_config()) == {}
+    for preset in PRESETS:  # Every field given: resolves to exactly that config.
+        assert ConfigOverrides.of(make_config(preset)).resolve() == make_config(preset)
+
+
+def test_a_form_left_alone_resolves_to_the_deployment_preset():
+    # The Prefect UI fills each form field with its schema default: every one of them is empty.
+    schema = ConfigOverrides.model_json_schema()
+    form = ConfigOverrides().model_dump(mode="json")
+    for preset in PRESETS:
+        submitted = ConfigOverrides.model_validate(form | {"preset": preset})
+        assert submitted.resolve() == make_config(preset)
+    assert schema["properties"]["preset"]["enum"] == sorted(PRESETS, key=list(PRESETS).index)
+    train = schema["$defs"]["TrainConfigOverrides"]["properties"]
+    assert {"type": "null"} in train["epochs"]["anyOf"] and "from the preset" in train["epochs"]["description"]

@@ -234,6 +234,67 @@ def test_sweep_groups_its_child_runs_under_one_mlflow_parent(stack, python_archi
     assert "best_val_accuracy" in parents[0].data.metrics
 
 
+def form_parameters(schema: dict, deployment_parameters: dict) -> dict:
+    """What "Custom run" submits untouched: the deployment's values over the parameter schema's defaults."""
+
+    def merge(base, override):
+        if isinstance(base, dict) and isinstance(override, dict):
+            return {key: merge(base.get(key), override.get(key, base.get(key))) for key in base | override}
+        return override if override is not None else base
+
+    defaults = {name: field["default"] for name, field in schema["properties"].items() if "default" in field}
+    return merge(defaults, deployment_parameters)
+
+
+def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
+    # Each deployment's "Custom run" form, submitted unchanged, on a worker in dry-run mode: the flow
+    # resolves and checks its config, writes it, and trains nothing (the full preset would take hours).
+    import yaml
+
+    from cifar.config import make_config
+
+    declared = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]
+    deployments = httpx.post(f"{stack.server.api_url}/deployments/filter", json={}, timeout=30).json()
+    by_name = {deployment["name"]: deployment for deployment in deployments}
+    assert {entry["name"] for entry in declared} <= set(by_name)
+    plans_dir = tmp_path / "plans"
+    env = {"CIFAR_DRY_RUN": str(plans_dir), "PREFECT_LOGGING_EXTRA_LOGGERS": "cifar,tasks"}
+
+    submitted = {}
+    for entry in declared:
+        deployment = by_name[entry["name"]]
+        parameters = form_parameters(deployment["parameter_openapi_schema"], deployment["parameters"])
+        response = httpx.post(
+            f"{stack.server.api_url}/deployments/{deployment['id']}/create_flow_run",
+            json={"parameters": parameters, "job_variables": {"env": env}},
+            timeout=30,
+        )
+        assert response.status_code == 201, response.text
+        submitted[entry["name"]] = (response.json()["id"], deployment, entry["parameters"]["config"]["preset"])
+
+    plans = {}
+    for name, (flow_run_id, _, _) in submitted.items():
+        finished = wait_for(stack, flow_run_id)
+        assert finished["state"]["type"] == "COMPLETED", f"{name}: {finished['state']}\n{stack.diagnostics()}"
+    for path in plans_dir.glob("*/summary.json"):
+        plan = json.loads(path.read_text())
+        plans[plan["deployment_id"]] = plan
+    for name, (_, deployment, preset) in submitted.items():
+        resolved = plans[deployment["id"]]["config"]
+        if resolved["train"]["run_name"] and resolved["train"]["run_name"].startswith("retrain-"):
+            resolved["train"]["run_name"] = None  # The nightly run's own training directory.
+        assert resolved == make_config(preset).model_dump(mode="json"), name
+
+    # A value outside a closed set never becomes a run: the server validates the form.
+    smoke = by_name["smoke"]
+    rejected = httpx.post(
+        f"{stack.server.api_url}/deployments/{smoke['id']}/create_flow_run",
+        json={"parameters": {"config": {"preset": "smok"}}},
+        timeout=30,
+    )
+    assert rejected.status_code in (409, 422) and "preset" in rejected.text, rejected.text
+
+
 @pytest.mark.parametrize(
     "launcher",
     [None, [str(REPO_ROOT / "scripts" / "prefect_server.sh")]],
