@@ -5,7 +5,18 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup run test lint format clean bench system-deps
+# Servers for the UI path (README "Run on a Prefect server"): all on 127.0.0.1, any free port.
+PREFECT_PORT ?= 4200
+MLFLOW_PORT ?= 5000
+SERVE_PORT ?= 5001
+WORKDIR ?= $(CURDIR)/workdir
+PREFECT_API_URL ?= http://127.0.0.1:$(PREFECT_PORT)/api
+MLFLOW_TRACKING_URI ?= sqlite:///$(WORKDIR)/mlflow.db
+MODEL ?= models:/cifar10@champion
+# Framework start-up lines and offline telemetry stay out of the logs; CIFAR_VERBOSE=1 lets them through.
+QUIET := $(if $(filter 1,$(CIFAR_VERBOSE)),,TF_CPP_MIN_LOG_LEVEL=2 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false)
+
+.PHONY: setup run test lint format clean bench system-deps server deploy worker mlflow-ui serve ui-check
 
 setup: $(VENV)/.installed
 
@@ -37,6 +48,33 @@ test: setup system-deps lint
 
 bench: setup
 	$(PY) bench/run_all.py
+
+# The Prefect server and its UI on PREFECT_PORT (the UI must be told its own API's address).
+server: setup
+	$(QUIET) PYTHON=$(PY) PREFECT_UI_API_URL=$(PREFECT_API_URL) PREFECT_API_URL=$(PREFECT_API_URL) \
+	  scripts/prefect_server.sh --host 127.0.0.1 --port $(PREFECT_PORT)
+
+# Once per server: the work pool, one training per device at a time, every deployment in prefect.yaml.
+deploy: setup
+	PREFECT_API_URL=$(PREFECT_API_URL) $(VENV)/bin/prefect work-pool inspect cifar-process >/dev/null 2>&1 || \
+	  PREFECT_API_URL=$(PREFECT_API_URL) $(VENV)/bin/prefect work-pool create cifar-process --type process
+	PREFECT_API_URL=$(PREFECT_API_URL) $(VENV)/bin/prefect concurrency-limit inspect training >/dev/null 2>&1 || \
+	  PREFECT_API_URL=$(PREFECT_API_URL) $(VENV)/bin/prefect concurrency-limit create training 1
+	PREFECT_API_URL=$(PREFECT_API_URL) $(VENV)/bin/prefect --no-prompt deploy --all
+
+# A process worker; flow runs start in this checkout (the deployments' pull step reads PWD).
+worker: setup
+	$(QUIET) PWD=$(CURDIR) PATH=$(CURDIR)/$(VENV)/bin:$$PATH PREFECT_API_URL=$(PREFECT_API_URL) \
+	  MLFLOW_TRACKING_URI=$(MLFLOW_TRACKING_URI) $(VENV)/bin/prefect worker start --pool cifar-process
+
+# The MLflow UI over a store (default: the local pipeline's SQLite store under WORKDIR).
+mlflow-ui: setup
+	$(QUIET) $(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(MLFLOW_PORT)
+
+# The registry's champion over REST on SERVE_PORT (`mlflow models serve` runs uvicorn from the venv).
+serve: setup
+	$(QUIET) PATH=$(CURDIR)/$(VENV)/bin:$$PATH MLFLOW_TRACKING_URI=$(MLFLOW_TRACKING_URI) \
+	  $(VENV)/bin/mlflow models serve -m $(MODEL) --env-manager local -h 127.0.0.1 -p $(SERVE_PORT)
 
 clean:
 	rm -rf $(VENV) workdir .pytest_cache

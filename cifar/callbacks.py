@@ -89,6 +89,7 @@ class EpochStatistics(keras.callbacks.Callback):
             # A one-step epoch: only the whole step (tracing included) can be timed.
             logs["examples_per_second"] = self.global_batch_size / max(self._start - self._epoch_start, 1e-9)
         logs["learning_rate"] = current_learning_rate(self.model.optimizer)
+        logs["epoch_seconds"] = time.perf_counter() - self._epoch_start  # Wall time, validation included.
 
 
 class DivergenceGuard(keras.callbacks.Callback):

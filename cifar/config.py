@@ -221,7 +221,27 @@ class TrackingConfig(Section):
 
     tracking_uri: TrackingLocation | None = None
     experiment: SafeName = Field("cifar10", description="MLflow experiment; also mlartifacts/<experiment>/.")
+    run_name: SafeName | None = Field(
+        None, description="MLflow run name; default: train.run_name, else preset-model-lr-UTC time."
+    )
     system_metrics: bool = True
+
+
+class TrialLink(Section):
+    """Set by the `cifar-search` flow on a trial's run: which trial of which Optuna study this run is.
+
+    The run reports its validation accuracy to the study after every epoch, stops early when the
+    study's pruner says so, and records its outcome there. Not part of any stage key: the same
+    training settings are the same training, whichever trial asks for them.
+    """
+
+    storage: str | None = Field(
+        None,
+        description="The study's storage: a journal file path or a database URL without a password; "
+        "None reads CIFAR_SEARCH_STORAGE on the worker (where a password may be kept).",
+    )
+    study_name: SafeName = Field(description="The Optuna study.")
+    number: int = Field(ge=0, description="The trial's number in the study.")
 
 
 class PipelineConfig(Section):
@@ -234,6 +254,7 @@ class PipelineConfig(Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     export: ExportConfig = ExportConfig()
     tracking: TrackingConfig = TrackingConfig()
+    trial: TrialLink | None = Field(None, description="Set by `cifar-search` only: the trial this run is.")
 
     def flat(self) -> dict[str, Any]:
         """Every field as `section.field` -> value, for logging as MLflow params."""

@@ -29,7 +29,7 @@ from cifar.data.manifest import IMAGE_SHAPE, NUM_CLASSES, load_manifest
 from cifar.io import atomic_write_bytes, atomic_write_json, read_json
 from cifar.results import EvaluationResult
 from cifar.reuse import evaluation_key
-from cifar.tracking import resolve_tracking_uri, use_run
+from cifar.tracking import finite_metrics, resolve_tracking_uri, use_run
 
 READ_BATCH = 1024  # Serialized examples parsed per step when reading a split.
 RESULT_NAME = "result.json"
@@ -234,10 +234,8 @@ def log_to_mlflow(
             values["test_accuracy_flip_tta"] = metrics["flip_tta_accuracy"]
         if metrics.get("tta_accuracy") is not None:
             values["test_accuracy_tta"] = metrics["tta_accuracy"]
-        for name, class_metrics in metrics["per_class"].items():
-            values[f"test_precision_{name}"] = class_metrics["precision"]
-            values[f"test_recall_{name}"] = class_metrics["recall"]
-        mlflow.log_metrics(values, step=epoch)
+        # Per-class precision and recall stay in evaluation/metrics.json: twenty more charts hide the ones compared.
+        mlflow.log_metrics(finite_metrics(values), step=epoch)
         mlflow.set_tag("evaluation.epoch", str(epoch))
         mlflow.log_artifacts(str(output_dir), artifact_path="evaluation")
 

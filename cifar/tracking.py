@@ -8,12 +8,20 @@ One MLflow run spans a pipeline run: training creates it, evaluation and export 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 from cifar import compat, locks
-from cifar.config import TrackingConfig
+from cifar.config import PipelineConfig, TrackingConfig
+
+# MLflow 3 opens an experiment in the view its kind names; without the tag it guesses GenAI (traces,
+# prompts). Ours compare training runs: the model-training view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # The run page's description, rendered as markdown.
 
 
 def resolve_tracking_uri(tracking: TrackingConfig, workdir: str | Path) -> str:
@@ -84,16 +92,35 @@ def ensure_experiment(tracking_uri: str, workdir: str | Path, name: str) -> str:
 
     client = mlflow_client(tracking_uri)
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    location = default_artifact_location(tracking_uri, workdir, name)
-    try:
-        return client.create_experiment(name, artifact_location=location)
-    except Exception:  # Another process created it first: use theirs.
+    if experiment is None:
+        location = default_artifact_location(tracking_uri, workdir, name)
+        try:
+            client.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+        except Exception:  # Another process created it first: use theirs.
+            pass
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
-            raise
-        return experiment.experiment_id
+            raise RuntimeError(f"MLflow experiment {name!r} could not be created in {tracking_uri}")
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) is None:  # An experiment made before the tag existed.
+        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    return experiment.experiment_id
+
+
+def human_run_name(config: PipelineConfig, now: datetime | None = None) -> str:
+    """The MLflow run name: `tracking.run_name` or `train.run_name` when given, else preset, model, rate, UTC time.
+
+    For example `smoke-tutorial-lr0.05-20261123-1840`: what a person scanning the runs table needs
+    to tell runs apart (the training directory's name carries the key instead).
+    """
+    if config.tracking.run_name or config.train.run_name:
+        return config.tracking.run_name or config.train.run_name
+    now = now or datetime.now(UTC)
+    return f"{config.preset}-{config.train.model}-lr{config.train.learning_rate:g}-{now:%Y%m%d-%H%M}"
+
+
+def finite_metrics(metrics: dict[str, float | None]) -> dict[str, float]:
+    """The metrics with a finite value: MLflow would store None or NaN as NaN, which no chart can show."""
+    return {key: float(value) for key, value in metrics.items() if value is not None and math.isfinite(value)}
 
 
 @contextlib.contextmanager
@@ -200,7 +227,7 @@ def log_epoch_metrics(tracking_uri: str, run_id: str, epoch: int, metrics: dict[
     from mlflow.entities import Metric
 
     timestamp = int(time.time() * 1000)
-    items = [Metric(key, float(value), timestamp, int(epoch)) for key, value in metrics.items()]
+    items = [Metric(key, value, timestamp, int(epoch)) for key, value in finite_metrics(metrics).items()]
     if items:
         mlflow_client(tracking_uri).log_batch(run_id, metrics=items)
 

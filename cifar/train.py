@@ -370,7 +370,9 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
     run_id = run.read_state().get("mlflow_run_id")
     if not (run_id and tracking.run_exists(uri, run_id)):
         tags = {"model": train.model, "run_name": run.name, "git_commit": tracking.git_commit() or "unknown"}
-        run_id = tracking.create_run(uri, job.workdir, job.config.tracking.experiment, run.name, tags)
+        tags[tracking.NOTE_TAG] = f"Preset `{job.config.preset}`, training directory `{run.path}`."
+        name = tracking.human_run_name(job.config)
+        run_id = tracking.create_run(uri, job.workdir, job.config.tracking.experiment, name, tags)
         derived = {
             "derived.steps_per_epoch": job.steps_per_epoch,
             "derived.train_examples": job.num_train_examples,
@@ -459,11 +461,23 @@ def _result(job: TrainingJob, run_id: str | None, index: CheckpointIndex, histor
 
 
 def _finish(job: TrainingJob, run_id: str, history: dict[str, list], result: TrainResult) -> None:
-    """Training curves into the run dir and MLflow, then the run is marked complete."""
+    """Training curves into the run dir and MLflow, then the run is marked complete.
+
+    A run a callback stopped before `train.epochs` (a search's pruner) is marked "stopped", not
+    complete: it is never reused as finished, and the next run of the same key resumes it.
+    """
     import mlflow
 
     plot_path = plot_training_curves(history, job.run.plot_path)
+    # Single values a person compares across runs (no step: the runs table and bar charts show them).
+    seconds = [value for value in history.get("epoch_seconds", []) if value is not None]
+    summary = {"best_val_accuracy": result.val_accuracy, "epochs_completed": result.epochs_completed}
+    summary["training_time_s"] = sum(seconds) if seconds else None  # Wall time of the epochs, validation included.
     with tracking.use_run(job.tracking_uri, run_id):
+        mlflow.log_metrics(tracking.finite_metrics(summary))
         mlflow.log_artifact(str(plot_path))
         mlflow.log_artifact(str(job.run.history_path))
-    job.run.write_state(job.key, run_id, job.tracking_uri, "completed", result)
+    status = "completed" if result.epochs_completed >= job.train.epochs else "stopped"
+    if status == "stopped":
+        logger.info("run %s stopped after epoch %d of %d", job.run.name, result.epochs_completed, job.train.epochs)
+    job.run.write_state(job.key, run_id, job.tracking_uri, status, result)

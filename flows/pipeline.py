@@ -23,20 +23,23 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # `python flows/pipeline.py` from a checkout without the editable install.
     sys.path.insert(0, str(REPO_ROOT))
-# Offline, the ephemeral server's usage telemetry only logs failures; it sends nothing of ours either way.
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+from cifar.quiet import quiet_environment  # noqa: E402
+
+quiet_environment()  # Before TensorFlow, MLflow or Prefect start: CIFAR_VERBOSE=1 turns it off.
 
 from prefect import flow  # noqa: E402
 from prefect.runtime import deployment, flow_run  # noqa: E402
+from prefect.states import Completed  # noqa: E402
 
 from cifar import failpoints  # noqa: E402
 from cifar.config import STAGES, ConfigOverrides, PipelineConfig, Stage, resolve_workdir  # noqa: E402
 from cifar.io import atomic_write_json  # noqa: E402
 from cifar.preflight import check_request  # noqa: E402
-from tasks.artifacts import format_summary, mlflow_run_url, publish_report, write_summary  # noqa: E402
+from tasks.artifacts import format_summary, mlflow_run_link, publish_report, write_summary  # noqa: E402
 from tasks.caching import result_storage  # noqa: E402
 from tasks.data import download_archive, prepare_dataset  # noqa: E402
 from tasks.evaluation import evaluate_model, export_model, register_model  # noqa: E402
+from tasks.search import finish_trial, start_trial  # noqa: E402
 from tasks.training import train_model  # noqa: E402
 
 
@@ -134,6 +137,8 @@ def cifar_pipeline(
         return plan
     workdir = str(resolve_workdir(workdir))
     stages = Stages(workdir, refresh=refresh, fresh=not config.train.resume)
+    if config.trial is not None:  # A trial of a search (flows/search.py): its study learns when it started.
+        start_trial(config)
 
     archive = stages.download(config, workdir)
     dataset = stages.prepare(config, archive, workdir)
@@ -144,7 +149,10 @@ def cifar_pipeline(
     if reaches(until, "train"):
         training = results["train"] = stages.train(config, dataset, workdir)
         summary |= training.model_dump(exclude={"key", "reused"})
-        summary["mlflow_run_url"] = mlflow_run_url(training.tracking_uri, training.mlflow_run_id)
+        summary |= mlflow_run_link(training.tracking_uri, training.mlflow_run_id)
+        if config.trial is not None:  # The study learns the outcome; a pruned trial goes no further.
+            summary["trial_state"] = finish_trial(config, training)
+            until = "train" if summary["trial_state"] == "PRUNED" else until
     if reaches(until, "evaluate"):
         evaluation = results["evaluate"] = stages.evaluate(config, dataset, training, workdir)
         summary |= evaluation.model_dump(include=EVALUATION_FIELDS) | {"evaluated_epoch": evaluation.epoch}
@@ -161,6 +169,8 @@ def cifar_pipeline(
     summary["summary_path"] = write_summary(summary, workdir)
     publish_report(summary)
     print(format_summary(summary))  # The same lines as the command line's, in the flow run's logs (log_prints).
+    if summary.get("trial_state") == "PRUNED":  # Completed, named so the UI and the search tell it apart.
+        return Completed(name="Pruned", message=f"pruned after epoch {summary['epochs_completed']}", data=summary)
     return summary
 
 

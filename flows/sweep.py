@@ -27,13 +27,30 @@ from cifar.tracking import mark_failed, resolve_tracking_uri  # noqa: E402
 from flows.pipeline import cifar_pipeline, dry_run_plan  # noqa: E402
 from tasks.sweep import attach_child_run, close_sweep_run, open_sweep_run  # noqa: E402
 
-ROW_FIELDS = ("val_accuracy", "test_accuracy", "mlflow_run_id", "run_name")
+ROW_FIELDS = ("val_accuracy", "test_accuracy", "run_name")
+REUSED_STATES = {"Cached", "Reused"}  # The point's training finished in an earlier run.
 
 
 def grid_point(config: PipelineConfig, model: str, learning_rate: float) -> PipelineConfig:
     """The config of one point: the base config with this model and learning rate."""
     train = config.train.model_copy(update={"model": model, "learning_rate": learning_rate})
     return config.model_copy(update={"train": train.model_validate(train.model_dump())})
+
+
+def format_sweep(rows: list[dict[str, Any]], metric: str, best: dict[str, Any], parent_run_id: str) -> str:
+    """The sweep's points, one line each with the compared metric in percent, the best one marked."""
+    lines = [f"cifar sweep done: {len(rows)} points, MLflow parent run {parent_run_id}, best by {metric}"]
+    for row in rows:
+        value = "-" if row.get(metric) is None else f"{100 * row[metric]:.2f} %"
+        marker = "  <- best" if best and row["mlflow_run_id"] == best["mlflow_run_id"] else ""
+        reused = "  (reused)" if row.get("reused_run_id") else ""
+        lines.append(f"  {row['model']:<10} lr {row['learning_rate']:<8g} {metric} {value}{reused}{marker}")
+    return "\n".join(lines)
+
+
+def named_point(config: PipelineConfig, name: str) -> PipelineConfig:
+    """The point's config with its MLflow run named as its Prefect flow run (no effect on any stage key)."""
+    return config.model_copy(update={"tracking": config.tracking.model_copy(update={"run_name": name})})
 
 
 @flow(name="cifar-sweep", log_prints=True)
@@ -57,20 +74,24 @@ def sweep(
     rows = []
     try:
         for point in points:
-            name = f"{point.train.model}-lr{point.train.learning_rate:g}"
+            name = f"{point.preset}-{point.train.model}-lr{point.train.learning_rate:g}"
+            point = named_point(point, name)
             summary = cifar_pipeline.with_options(flow_run_name=name)(
                 config=ConfigOverrides.of(point), workdir=workdir, until=until
             )
-            attach_child_run(tracking_uri, parent_run_id, summary["mlflow_run_id"])
+            reused = summary["task_states"].get("train") in REUSED_STATES
+            child_run_id = attach_child_run(tracking_uri, parent_run_id, summary["mlflow_run_id"], name, reused)
             row = {"model": point.train.model, "learning_rate": point.train.learning_rate}
-            rows.append(row | {key: summary.get(key) for key in ROW_FIELDS})
+            rows.append(row | {key: summary.get(key) for key in ROW_FIELDS} | {"mlflow_run_id": child_run_id})
+            if reused:
+                rows[-1]["reused_run_id"] = summary["mlflow_run_id"]
     except BaseException as error:  # The parent must not stay RUNNING forever.
         mark_failed(tracking_uri, parent_run_id, f"point {name} failed: {type(error).__name__}: {error}")
         raise
 
     metric = "val_accuracy" if any(row["val_accuracy"] is not None for row in rows) else "test_accuracy"
     best = close_sweep_run(tracking_uri, parent_run_id, rows, metric)
-    print(f"Sweep parent run {parent_run_id}: best {best}")
+    print(format_sweep(rows, metric, best, parent_run_id))
     return {"parent_run_id": parent_run_id, "runs": rows, "best": best}
 
 

@@ -11,7 +11,10 @@
 # Other Prefect versions start unpatched, with a warning. On PostgreSQL the patch is a no-op.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-.venv/bin/python}" - "$@" <<'PY'
+if [ -z "${PYTHON:-}" ]; then  # The checkout's venv, else the python on PATH (an image, another install).
+  if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+exec "$PYTHON" - "$@" <<'PY'
 import sys
 
 import prefect

@@ -72,19 +72,25 @@ class ProgressReporter:
         self.update(100.0, force=True)
 
 
-def mlflow_run_url(tracking_uri: str | None, run_id: str | None) -> str | None:
-    """A link to the run in the MLflow UI, or how to open it for a local SQLite store."""
+LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # Where `make mlflow-ui` serves a local store (MLFLOW_PORT=5000).
+
+
+def mlflow_run_link(tracking_uri: str | None, run_id: str | None) -> dict[str, str | None]:
+    """The run's name and URL in the MLflow UI, and for a local store the command that serves that UI."""
     if not tracking_uri or not run_id:
-        return None
+        return {}
     try:
-        experiment_id = mlflow_client(tracking_uri).get_run(run_id).info.experiment_id
+        info = mlflow_client(tracking_uri).get_run(run_id).info
+        experiment_id, name = info.experiment_id, info.run_name
     except Exception as error:
         logger.warning("Could not look up MLflow run %s: %s", run_id, error)
-        experiment_id = None
+        experiment_id, name = None, None
     fragment = f"#/experiments/{experiment_id}/runs/{run_id}" if experiment_id else f"#/runs/{run_id}"
-    if urlsplit(tracking_uri).scheme in {"http", "https"}:
-        return f"{tracking_uri.rstrip('/')}/{fragment}"
-    return f"`mlflow ui --backend-store-uri {tracking_uri}` then http://127.0.0.1:5000/{fragment}"
+    link = {"mlflow_run_name": name, "mlflow_run_url": f"{tracking_uri.rstrip('/')}/{fragment}"}
+    if urlsplit(tracking_uri).scheme not in {"http", "https"}:
+        link["mlflow_run_url"] = f"{LOCAL_MLFLOW_UI}/{fragment}"
+        link["mlflow_ui_command"] = f"make mlflow-ui MLFLOW_TRACKING_URI={tracking_uri}"
+    return link
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -128,7 +134,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{summary.get('promotion_reason')}{state('register')}"
         )
     if summary.get("mlflow_run_url"):
-        lines.append(f"  mlflow     {summary['mlflow_run_url']}")
+        serve = f"  (after `{summary['mlflow_ui_command']}`)" if summary.get("mlflow_ui_command") else ""
+        lines.append(f"  mlflow     {summary['mlflow_run_url']}{serve}")
     lines.append(f"  summary    {summary['summary_path']}")
     return "\n".join(lines)
 
@@ -152,7 +159,7 @@ def report_markdown(summary: dict[str, Any]) -> str:
         ("Registered version", summary.get("registered_model_version")),
         ("Champion", summary.get("champion")),
         ("Promotion", summary.get("promotion_reason")),
-        ("MLflow run", summary.get("mlflow_run_url") or summary.get("mlflow_run_id")),
+        ("MLflow run", _mlflow_link(summary)),
     ]
     lines += ["| | |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in rows if value is not None]
@@ -171,6 +178,16 @@ def report_markdown(summary: dict[str, Any]) -> str:
                 f"{values.get('support', '')} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _mlflow_link(summary: dict[str, Any]) -> str | None:
+    """A clickable link to the run; for a local store, with the command that serves its UI."""
+    url, run_id = summary.get("mlflow_run_url"), summary.get("mlflow_run_id")
+    if not url:
+        return run_id
+    link = f"[{summary.get('mlflow_run_name') or run_id}]({url})"
+    command = summary.get("mlflow_ui_command")
+    return f"{link} (local store: run `{command}` first)" if command else link
 
 
 def _percent(value: Any) -> str | None:

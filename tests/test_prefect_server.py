@@ -178,6 +178,9 @@ def test_smoke_deployment_runs_then_reuses_every_stage(stack, python_archive, tm
     report = shown["cifar-report"]["data"]
     assert "Test accuracy" in report and summary["export_dir"] in report and summary["mlflow_run_id"] in report
     assert "| airplane |" in report  # The per-class table.
+    assert "](http://127.0.0.1:5000/#/experiments/" in report and "make mlflow-ui" in report  # A clickable link.
+    assert summary["mlflow_run_name"].startswith("smoke-tiny-lr0.05-")  # preset-model-rate-UTC time.
+    assert "cifar pipeline done (preset smoke" in flow_run_logs(stack, first["id"])  # The CLI's summary.
 
     second = wait_for(stack, run_deployment(stack, "cifar/smoke", parameters))
     assert second["state"]["type"] == "COMPLETED", f"{second['state']}\n{stack.diagnostics()}"
@@ -214,6 +217,7 @@ def test_sweep_groups_its_child_runs_under_one_mlflow_parent(stack, python_archi
     workdir, tracking_uri = tmp_path / "workdir", f"sqlite:///{tmp_path / 'mlflow.db'}"
     parameters = smoke_parameters(python_archive, workdir, tracking_uri, epochs=1, steps_per_epoch=2)
     parameters |= {"models": ["tiny"], "learning_rates": [0.02, 0.05], "until": "train"}
+    names = ["smoke-tiny-lr0.02", "smoke-tiny-lr0.05"]
 
     swept = wait_for(stack, run_deployment(stack, "cifar-sweep/sweep", parameters))
     assert swept["state"]["type"] == "COMPLETED", f"{swept['state']}\n{stack.diagnostics()}"
@@ -222,16 +226,45 @@ def test_sweep_groups_its_child_runs_under_one_mlflow_parent(stack, python_archi
         timeout=30,
         json={"flow_runs": {"parent_flow_run_id": {"any_": [swept["id"]]}}},
     ).json()
-    assert sorted(child["name"] for child in children) == ["tiny-lr0.02", "tiny-lr0.05"]
+    assert sorted(child["name"] for child in children) == names
     import mlflow
 
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    runs = client.search_runs([client.get_experiment_by_name("cifar10").experiment_id])
-    parents = [run for run in runs if run.data.tags.get("cifar.sweep") == "parent"]
+    experiment = client.get_experiment_by_name("cifar10")
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"  # The model-training view.
+
+    def sweep_runs() -> tuple[list, dict]:
+        runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
+        parents = [run for run in runs if run.data.tags.get("cifar.sweep") == "parent"]
+        nested = {
+            parent.info.run_id: [run for run in runs if run.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+            for parent in parents
+        }
+        return parents, nested
+
+    parents, nested = sweep_runs()
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
-    nested = [run for run in runs if run.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
-    assert sorted(run.data.params["train.learning_rate"] for run in nested) == ["0.02", "0.05"]
+    first = nested[parents[0].info.run_id]
+    assert sorted(run.info.run_name for run in first) == names  # Named as the Prefect flow runs.
+    assert sorted(run.data.params["train.learning_rate"] for run in first) == ["0.02", "0.05"]
     assert "best_val_accuracy" in parents[0].data.metrics
+    assert {"comparison.json", "comparison.png"} <= {
+        item.path for item in client.list_artifacts(parents[0].info.run_id)
+    }
+
+    # The same sweep again: every point is served from cache. Each gets a child run of its own that links
+    # to the run it reused; the first sweep keeps its children.
+    again = wait_for(stack, run_deployment(stack, "cifar-sweep/sweep", parameters))
+    assert again["state"]["type"] == "COMPLETED", f"{again['state']}\n{stack.diagnostics()}"
+    parents, nested = sweep_runs()
+    assert len(parents) == 2 and [len(nested[parent.info.run_id]) for parent in parents] == [2, 2]
+    assert {run.info.run_id for run in nested[parents[0].info.run_id]} == {run.info.run_id for run in first}
+    stand_ins = nested[parents[1].info.run_id]
+    assert {run.data.tags["cifar.reused_run_id"] for run in stand_ins} == {run.info.run_id for run in first}
+    assert all(run.data.params == client.get_run(run.data.tags["cifar.reused_run_id"]).data.params for run in stand_ins)
+    assert all("best_val_accuracy" in run.data.metrics for run in stand_ins)
+    table = artifacts(stack, again["id"])["cifar-sweep"]
+    assert "%" in table["data"] and "Best by val_accuracy" in table["description"]
 
 
 def form_parameters(schema: dict, deployment_parameters: dict) -> dict:
