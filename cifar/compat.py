@@ -1,4 +1,4 @@
-"""Every private Keras and MLflow API the project touches, in one place, each tied to its pinned version.
+"""Every private Keras, MLflow and Optuna API the project touches, in one place, each tied to its pinned version.
 
 Public APIs cover everything else. Each function below names the version it was written against
 (constraints.txt pins keras 3.15.1 and mlflow 3.17.2) and why no public API does the job; when a
@@ -108,3 +108,30 @@ def mlflow_tracking_uri(tracking_uri: str) -> Iterator[None]:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
             os.environ["MLFLOW_TRACKING_URI"] = previous_environment
+
+
+def optuna_trial(study, number: int):
+    """The live `optuna.trial.Trial` numbered `number` in `study`, for a process that did not ask for it.
+
+    Optuna 5.0: a trial asked for in one process (the search flow) and run in another (a worker)
+    is reported to with `Trial.report` / `Trial.should_prune`, which need the storage's trial id;
+    the public API maps numbers to ids only inside `Study.tell`. The id comes from the storage's
+    `get_trial_id_from_study_id_trial_number` with the private `Study._storage` and `_study_id`.
+    """
+    import optuna
+
+    trial_id = study._storage.get_trial_id_from_study_id_trial_number(study._study_id, number)
+    return optuna.trial.Trial(study, trial_id)
+
+
+def raw_input_signature(signature):
+    """`signature` (a uint8 tensor signature) marked so the scoring server leaves the JSON input uncast.
+
+    The mark is MLflow's own flag for signatures derived from a model's type hints
+    (`is_signature_from_type_hint` in the MLmodel; a private attribute of ModelSignature in MLflow 3):
+    with it the server passes `{"inputs": ...}` to predict as parsed, and PyFuncModel.predict leaves
+    checking the input to the model, which `validate_images` does. The schema itself, the one MLflow
+    shows and documents, is unchanged. MLflow 3.17.2; tests/test_serving.py pins this behaviour.
+    """
+    signature._is_signature_from_type_hint = True
+    return signature

@@ -354,6 +354,12 @@ class ConfigOverrides(_overrides_model(PipelineConfig)):  # type: ignore[misc]
 
     preset: PresetName = Field("default", description="The named recipe; every field left empty comes from it.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_config(cls, value: Any) -> Any:
+        """A complete PipelineConfig is accepted too (Python callers): every field given."""
+        return value.model_dump() if isinstance(value, PipelineConfig) else value
+
     @classmethod
     def of(cls, config: PipelineConfig) -> ConfigOverrides:
         """Overrides that resolve to exactly `config` (every field given)."""

@@ -2,7 +2,9 @@
 
 The logged model is an MLflow pyfunc that wraps the verified SavedModel directory as an artifact and
 calls its `serving_default` signature, so `mlflow models serve -m models:/cifar10@champion` answers
-with exactly what TF Serving would: class ids, class names and probabilities.
+with exactly what TF Serving would: class ids, class names and probabilities. Its input contract
+(uint8 images [batch, 32, 32, 3], JSON integers 0..255) is enforced by `cifar.serving_contract`:
+anything else is refused with HTTP 400 and the contract in the message, never cast.
 
 Promotion gate (the TFX "blessing"): a new version takes the `champion` alias only if its test
 accuracy is at least `export.min_accuracy` and at least the current champion's accuracy minus
@@ -25,12 +27,14 @@ import numpy as np
 from mlflow.pyfunc import PythonModel
 
 from cifar import failpoints, locks
+from cifar.compat import raw_input_signature
 from cifar.config import PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE
 from cifar.export import INPUT_NAME, SERVING_SIGNATURE
 from cifar.results import ExportResult, PromotionResult
 from cifar.reuse import registration_key
-from cifar.tracking import ensure_experiment, mlflow_client, resolve_tracking_uri, use_run
+from cifar.serving_contract import validate_images
+from cifar.tracking import ensure_experiment, finite_metrics, mlflow_client, resolve_tracking_uri, use_run
 
 CHAMPION_ALIAS = "champion"
 ACCURACY_TAG = "test_accuracy"
@@ -41,7 +45,11 @@ SAVED_MODEL_ARTIFACT = "saved_model"  # The key of the SavedModel directory amon
 
 
 class SavedModelClassifier(PythonModel):
-    """An MLflow pyfunc calling a SavedModel's serving_default on uint8 images (N, 32, 32, 3)."""
+    """An MLflow pyfunc calling a SavedModel's serving_default on uint8 images (N, 32, 32, 3).
+
+    Its input is checked by `cifar.serving_contract.validate_images`: anything but integers 0..255
+    shaped [N, 32, 32, 3] is refused with the contract in the message (HTTP 400 when served).
+    """
 
     def load_context(self, context) -> None:
         self.load(context.artifacts[SAVED_MODEL_ARTIFACT])
@@ -55,15 +63,7 @@ class SavedModelClassifier(PythonModel):
     def predict(self, context, model_input, params=None) -> dict[str, np.ndarray]:
         import tensorflow as tf
 
-        if isinstance(model_input, dict):
-            model_input = model_input[INPUT_NAME]
-        images = np.asarray(model_input)
-        if images.ndim != 4 or tuple(images.shape[1:]) != IMAGE_SHAPE:
-            raise ValueError(f"expected images of shape (N, 32, 32, 3), got {images.shape}")
-        if images.dtype != np.uint8:
-            if np.any(images < 0) or np.any(images > 255) or np.any(images != np.round(images)):
-                raise ValueError("pixel values must be integers in 0..255")
-            images = images.astype(np.uint8)
+        images = validate_images(model_input)  # The serving contract: refuses (HTTP 400) rather than casts.
         outputs = self._serve(**{INPUT_NAME: tf.constant(images)})
         return {
             "class_ids": outputs["class_ids"].numpy().astype(np.int64),
@@ -122,7 +122,8 @@ def log_pyfunc_model(export_result: ExportResult, input_example: np.ndarray):
     from mlflow.models import infer_signature
 
     example_outputs = SavedModelClassifier().load(export_result.export_dir).predict(None, input_example)
-    signature = infer_signature(input_example, example_outputs)
+    # uint8 [-1, 32, 32, 3] in, the three outputs out; marked so the server passes JSON uncast to validate_images.
+    signature = raw_input_signature(infer_signature(input_example, example_outputs))
     return mlflow.pyfunc.log_model(
         name=MODEL_ARTIFACT_NAME,
         python_model=SavedModelClassifier(),
@@ -278,4 +279,4 @@ def _log_decision(result: PromotionResult) -> None:
     metrics = {"promotion_test_accuracy": result.test_accuracy, "promotion_champion": float(result.champion)}
     if result.champion_accuracy_before is not None:
         metrics["promotion_champion_accuracy_before"] = result.champion_accuracy_before
-    mlflow.log_metrics(metrics)
+    mlflow.log_metrics(finite_metrics(metrics))

@@ -118,7 +118,17 @@ def reaches(until: str, stage: str) -> bool:
     return STAGES.index(stage) <= STAGES.index(until)
 
 
-@flow(name="cifar", log_prints=True)
+def human_flow_run_name() -> str:
+    """The flow run's name in the Prefect UI: what it trains (`smoke-tutorial-lr0.05`), not a random one."""
+    overrides = flow_run.parameters.get("config")
+    try:
+        config = ConfigOverrides.model_validate(overrides or {}).resolve()
+    except ValueError:  # The run fails on the same config with the full message; the name stays plain.
+        return "cifar-invalid-config"
+    return f"{config.preset}-{config.train.model}-lr{config.train.learning_rate:g}"
+
+
+@flow(name="cifar", log_prints=True, flow_run_name=human_flow_run_name)
 def cifar_pipeline(
     config: ConfigOverrides = ConfigOverrides(),
     workdir: str = "./workdir",
