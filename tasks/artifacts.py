@@ -17,8 +17,10 @@ from cifar.workdir import summary_path
 
 logger = logging.getLogger("tasks.artifacts")
 
-MIN_UPDATE_SECONDS = 2.0  # Between progress updates, so a fast loop does not flood the API...
-MIN_UPDATE_PERCENT = 1.0  # ...unless the bar moved at least this much.
+# Each update is an `artifact.updated` event that `prefect deployment run --watch` prints: a bar moves
+# only after both this long and this far (a forced update, e.g. at an epoch's end, always goes).
+MIN_UPDATE_SECONDS = 5.0
+MIN_UPDATE_PERCENT = 5.0
 
 
 class ProgressReporter:
@@ -35,7 +37,7 @@ class ProgressReporter:
         """Moves the bar to `percent` (throttled unless forced)."""
         percent = min(max(percent, 0.0), 100.0)
         now = time.monotonic()
-        due = percent - self.last_percent >= MIN_UPDATE_PERCENT or now - self.last_time >= MIN_UPDATE_SECONDS
+        due = percent - self.last_percent >= MIN_UPDATE_PERCENT and now - self.last_time >= MIN_UPDATE_SECONDS
         if not (force or due):
             return
         self.last_percent, self.last_time = percent, now
