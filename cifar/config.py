@@ -325,7 +325,7 @@ def make_config(preset: str = "default", overrides: dict[str, Any] | None = None
     return PipelineConfig.model_validate(values)
 
 
-FROM_PRESET = "Empty: from the preset."  # How a form field left alone reads in the Prefect UI.
+FROM_PRESET = "None (the default): from the preset."  # How a form field left alone reads in the Prefect UI.
 
 
 def _overrides_model(model: type[BaseModel]) -> type[BaseModel]:
