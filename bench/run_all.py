@@ -5,7 +5,7 @@ docs/BENCHMARKS.md. `make bench` calls this.
     .venv/bin/python bench/run_all.py --only serving orchestration
     .venv/bin/python bench/run_all.py --no-docs             # print the tables only
 
-Order: convert.py, train_throughput.py, input_pipeline.py, serving.py, orchestration.py. A failing
+Order: convert.py, train_throughput.py, input_pipeline.py, serving.py, orchestration.py, search.py. A failing
 script is reported and the others still run; the exit status is 1 if any failed.
 """
 
@@ -22,7 +22,8 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import common  # noqa: E402
 
-SCRIPTS = ("convert", "train_throughput", "input_pipeline", "serving", "orchestration")
+SCRIPTS = ("convert", "train_throughput", "input_pipeline", "serving", "orchestration", "search")
+ARCHIVE_SCRIPTS = ("input_pipeline", "serving", "orchestration", "search")  # Take --archive.
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,7 +40,7 @@ def command_for(name: str, args: argparse.Namespace) -> list[str]:
     command = [sys.executable, str(BENCH_DIR / f"{name}.py")]
     if name == "convert":
         command.append(args.archive)
-    elif name in ("input_pipeline", "serving", "orchestration") and Path(args.archive) != common.DEFAULT_ARCHIVE:
+    elif name in ARCHIVE_SCRIPTS and Path(args.archive) != common.DEFAULT_ARCHIVE:
         command += ["--archive", args.archive]
     if name == "serving":
         command.append("--http")  # `mlflow models serve` too: about 15 s more.

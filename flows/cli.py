@@ -133,10 +133,10 @@ class FirstLineFormatter(logging.Formatter):
             record.exc_info, record.exc_text = saved
 
 
-def log_to_file(workdir: Path) -> Path:
-    """Every record, tracebacks included, goes to WORKDIR/logs/pipeline-<UTC time>-<pid>.log; the terminal
+def log_to_file(workdir: Path, name: str = "pipeline") -> Path:
+    """Every record, tracebacks included, goes to WORKDIR/logs/<name>-<UTC time>-<pid>.log; the terminal
     keeps one line of each."""
-    path = workdir / "logs" / f"pipeline-{datetime.now(UTC):%Y%m%d-%H%M%S}-{os.getpid()}.log"
+    path = workdir / "logs" / f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{os.getpid()}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     file_handler = logging.FileHandler(path, encoding="utf-8")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -195,11 +195,11 @@ def prepare_ephemeral_database() -> None:
             subprocess.run(command, check=True, capture_output=True, timeout=300)
 
 
-def supervise(argv: list[str]) -> int:
-    """Runs the pipeline in a child process; afterwards no process it started is left running."""
+def supervise(argv: list[str], script: str = "pipeline.py") -> int:
+    """Runs `flows/<script>` in a child process; afterwards no process it started is left running."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # Its orphans (the Prefect server) become ours to end.
-    command = [sys.executable, str(REPO_ROOT / "flows" / "pipeline.py"), *argv]
+    command = [sys.executable, str(REPO_ROOT / "flows" / script), *argv]
     child = subprocess.Popen(command, env={**os.environ, SUPERVISED_ENV: "1"})  # Same process group: Ctrl-C reaches it.
     try:
         code = child.wait()

@@ -24,4 +24,16 @@ def train_model(config: PipelineConfig, dataset: DataResult, workdir: str, refre
     from cifar.train import train
 
     progress = ProgressReporter("training", f"Training {config.train.model} for {config.train.epochs} epochs")
-    return train(config, dataset.data_dir, workdir, refresh=refresh, epoch_callback=faults.after_epoch(progress.epoch))
+    callbacks = []
+    if config.trial is not None:  # A search trial: report every epoch to the study, stop when pruned.
+        from cifar.search.pruning import TrialPruning
+
+        callbacks.append(TrialPruning(config.trial, config.train.epochs))
+    return train(
+        config,
+        dataset.data_dir,
+        workdir,
+        refresh=refresh,
+        epoch_callback=faults.after_epoch(progress.epoch),
+        callbacks=callbacks,
+    )

@@ -1,0 +1,256 @@
+"""The search space: which training settings a search varies, over what values, sampled and pruned how.
+
+A `SearchSpace` names distributions over `train.*` fields (by their field name: `learning_rate`,
+`model`, ...), the sampler (`tpe`, Optuna's default; `random`; or `grid`, every combination of
+categorical choices once, which is today's models x learning-rates sweep) and the pruner (`median`
+or `halving`, with a warm-up). It is validated when it is built, and again against the base
+config the search starts from (`check_against`), so a value the pipeline would refuse fails
+before any trial starts, with an error naming the field:
+
+    space.params.learning_rate.high: Input should be less than or equal to 100
+
+Presets (`SPACE_PRESETS`) are `smoke`, `resnet` and `grid`; `load_space(name_or_file)` takes a
+preset name or a JSON/YAML file of the same shape:
+
+    {"name": "lr-only", "sampler": "tpe",
+     "params": {"learning_rate": {"type": "float", "low": 0.001, "high": 0.5, "log": true}},
+     "pruner": {"kind": "median", "startup_trials": 2, "min_epochs": 1}}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
+
+from cifar.config import PipelineConfig, SafeName, TrainConfig
+
+# Fields a search never varies: how a run is resumed or named, and the machine it runs on.
+FIXED_TRAIN_FIELDS = frozenset({"resume", "run_name", "gpus", "deterministic", "cache"})
+OBJECTIVE = "val_accuracy"  # What every trial maximises: the best epoch's validation accuracy.
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Categorical(Spec):
+    """One of a list of values (the only kind a grid search takes)."""
+
+    type: Literal["categorical"] = "categorical"
+    choices: list[StrictBool | StrictInt | float | str] = Field(min_length=1)
+
+    def bounds(self) -> list[Any]:
+        return list(self.choices)
+
+
+class FloatRange(Spec):
+    """A float in [low, high], uniform or (with `log`) log-uniform."""
+
+    type: Literal["float"] = "float"
+    low: float
+    high: float
+    log: bool = False
+
+    @model_validator(mode="after")
+    def _ordered(self) -> FloatRange:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"a log range needs low > 0, got {self.low}")
+        return self
+
+    def bounds(self) -> list[Any]:
+        return [self.low, self.high]
+
+
+class IntRange(Spec):
+    """An integer in [low, high] in steps of `step` (or log-uniform)."""
+
+    type: Literal["int"] = "int"
+    low: int
+    high: int
+    step: int = Field(1, ge=1)
+    log: bool = False
+
+    @model_validator(mode="after")
+    def _ordered(self) -> IntRange:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        if self.log and (self.low < 1 or self.step != 1):
+            raise ValueError("a log range needs low >= 1 and step 1")
+        return self
+
+    def bounds(self) -> list[Any]:
+        return [self.low, self.high]
+
+
+Distribution = Annotated[Categorical | FloatRange | IntRange, Field(discriminator="type")]
+
+
+class PrunerSpec(Spec):
+    """How hopeless trials are stopped; epochs are the steps every trial reports."""
+
+    kind: Literal["median", "halving", "none"] = Field(
+        "median", description="median: stop a trial below the median of finished trials at the same epoch; "
+        "halving: successive halving (asynchronous)."
+    )  # fmt: skip
+    startup_trials: int = Field(
+        2, ge=0, description="median: finished trials needed before any trial is pruned (early trials set the bar)."
+    )
+    min_epochs: int = Field(1, ge=1, description="Epochs every trial trains before it can be pruned.")
+    reduction_factor: int = Field(3, ge=2, description="halving: 1 in reduction_factor trials goes on at each rung.")
+
+    def make_pruner(self):
+        import optuna
+
+        if self.kind == "median":
+            return optuna.pruners.MedianPruner(n_startup_trials=self.startup_trials, n_warmup_steps=self.min_epochs)
+        if self.kind == "halving":
+            return optuna.pruners.SuccessiveHalvingPruner(
+                min_resource=self.min_epochs, reduction_factor=self.reduction_factor
+            )
+        return optuna.pruners.NopPruner()
+
+
+class SearchSpace(Spec):
+    """Distributions over training settings, the sampler and the pruner of one search."""
+
+    name: SafeName = Field(description="Names the study (with the preset and a digest of the settings).")
+    sampler: Literal["tpe", "random", "grid"] = "tpe"
+    params: dict[str, Distribution] = Field(min_length=1, description="train.<field> -> its distribution.")
+    pruner: PrunerSpec = PrunerSpec()
+
+    @model_validator(mode="after")
+    def _known_fields(self) -> SearchSpace:
+        for field in self.params:
+            if field not in TrainConfig.model_fields:
+                raise ValueError(f"params.{field}: not a train field (see cifar/config.py TrainConfig)")
+            if field in FIXED_TRAIN_FIELDS:
+                raise ValueError(f"params.{field}: a search does not vary {field}")
+        if self.sampler == "grid":
+            ranges = [field for field, spec in self.params.items() if not isinstance(spec, Categorical)]
+            if ranges:
+                raise ValueError(f"params.{ranges[0]}: a grid search takes categorical choices only")
+        return self
+
+    def check_against(self, config: PipelineConfig) -> None:
+        """Raises ValueError naming `space.params.<field>` when a value the space can take is one
+        the pipeline would refuse on top of `config` (bounds are checked for ranges)."""
+        if config.data.validation_size == 0 or config.train.use_all_training_data:
+            raise ValueError(
+                f"a search ranks trials by {OBJECTIVE}: it needs a validation split "
+                "(data.validation_size > 0 and train.use_all_training_data false)"
+            )
+        for field, spec in self.params.items():
+            for value in spec.bounds():
+                try:
+                    config.train.model_validate({**config.train.model_dump(), field: value})
+                except ValidationError as error:
+                    detail = "; ".join(item["msg"].removeprefix("Value error, ") for item in error.errors())
+                    raise ValueError(f"space.params.{field}: {value!r} is refused: {detail}") from None
+
+    def grid(self) -> dict[str, list[Any]]:
+        """Every categorical choice by field (the grid sampler's search space)."""
+        return {field: spec.bounds() for field, spec in self.params.items() if isinstance(spec, Categorical)}
+
+    def grid_size(self) -> int | None:
+        """Points in the grid, or None for a sampler that can go on forever."""
+        if self.sampler != "grid":
+            return None
+        size = 1
+        for choices in self.grid().values():
+            size *= len(choices)
+        return size
+
+    def make_sampler(self, seed: int):
+        import optuna
+
+        if self.sampler == "grid":
+            return optuna.samplers.GridSampler(self.grid(), seed=seed)
+        if self.sampler == "random":
+            return optuna.samplers.RandomSampler(seed=seed)
+        # The constant liar counts trials still running as bad, so parallel asks spread out.
+        return optuna.samplers.TPESampler(seed=seed, constant_liar=True)
+
+    def suggest(self, trial) -> dict[str, Any]:
+        """The training settings of an Optuna trial, by field name."""
+        values: dict[str, Any] = {}
+        for field, spec in self.params.items():
+            if isinstance(spec, Categorical):
+                values[field] = trial.suggest_categorical(field, spec.choices)
+            elif isinstance(spec, FloatRange):
+                values[field] = trial.suggest_float(field, spec.low, spec.high, log=spec.log)
+            else:
+                step = None if spec.log else spec.step
+                values[field] = trial.suggest_int(field, spec.low, spec.high, step=step or 1, log=spec.log)
+        return values
+
+
+def log_range(low: float, high: float) -> FloatRange:
+    return FloatRange(low=low, high=high, log=True)
+
+
+# fmt: off
+SPACE_PRESETS: dict[str, SearchSpace] = {
+    # Minutes on 2 CPU cores with the smoke preset: two small nets, the rates that matter at 2-3
+    # epochs (0.003 is nearly hopeless there, 0.3 often diverges), decay and smoothing, 2-3 epochs.
+    "smoke": SearchSpace(
+        name="smoke",
+        params={
+            "model": Categorical(choices=["tiny", "tutorial"]),
+            "learning_rate": log_range(0.003, 0.3),
+            "weight_decay": log_range(1e-5, 1e-3),
+            "batch_size": Categorical(choices=[64, 128]),
+            "epochs": Categorical(choices=[2, 3]),
+            "label_smoothing": FloatRange(low=0.0, high=0.2),
+        },
+        pruner=PrunerSpec(kind="median", startup_trials=2, min_epochs=1),
+    ),
+    # The ResNet recipe (default preset: 30 epochs, piecewise schedule) on GPUs: depth, peak rate,
+    # decay, batch and smoothing. Half the epochs warm up before the median pruner may stop a trial.
+    "resnet": SearchSpace(
+        name="resnet",
+        params={
+            "model": Categorical(choices=["resnet20", "resnet32", "resnet44"]),
+            "learning_rate": log_range(0.02, 0.4),
+            "weight_decay": log_range(5e-5, 1e-3),
+            "batch_size": Categorical(choices=[128, 256]),
+            "label_smoothing": FloatRange(low=0.0, high=0.15),
+        },
+        pruner=PrunerSpec(kind="median", startup_trials=5, min_epochs=10),
+    ),
+    # flows/sweep.py's default grid as a search: every (model, learning rate) once, no pruning.
+    "grid": SearchSpace(
+        name="grid",
+        sampler="grid",
+        params={"model": Categorical(choices=["tiny", "tutorial"]), "learning_rate": Categorical(choices=[0.02, 0.05])},
+        pruner=PrunerSpec(kind="none"),
+    ),
+}
+# fmt: on
+
+
+def load_space(name_or_path: str | Path | SearchSpace | dict[str, Any]) -> SearchSpace:
+    """A preset by name, a JSON or YAML file of a `SearchSpace`, or the spec itself (validated)."""
+    if isinstance(name_or_path, SearchSpace):
+        return name_or_path
+    if isinstance(name_or_path, dict):
+        return SearchSpace.model_validate(name_or_path)
+    text = str(name_or_path)
+    if text in SPACE_PRESETS:
+        return SPACE_PRESETS[text]
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ValueError(f"space: {text!r} is neither a preset ({', '.join(sorted(SPACE_PRESETS))}) nor a file")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+    else:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(values, dict):
+        raise ValueError(f"space: {path} must hold a mapping, got {type(values).__name__}")
+    return SearchSpace.model_validate(values)

@@ -1,0 +1,263 @@
+"""The `cifar-search` flow: a hyperparameter search whose trials are `cifar` runs on a work pool's workers.
+
+    python flows/search.py --source cifar-10-python.tar.gz --sha256 HEX --preset smoke --trials 8 --parallel 2
+    prefect deployment run cifar-search/search -p trials=32 -p parallel=4      # on a server's work pool
+
+An Optuna study (`cifar.search`) proposes training settings from a declared search space (TPE by
+default; `grid` walks every combination, which is what `cifar-sweep` does). Each trial is one run
+of the `cifar` deployment (`cifar/trial`), so the pool's workers run up to `parallel` trials at
+once, each on its own machine or device. A trial reports its validation accuracy to the study
+after every epoch; the study's pruner stops hopeless ones (their flow runs end `Pruned`); the
+trial tells the study its outcome itself. The study lives in a store every process reaches (a
+journal file under the workdir, or the database in CIFAR_SEARCH_STORAGE), so a search that is
+stopped and started again continues it: finished trials stay finished, trials still running are
+waited for, trials whose run vanished are dispatched again (and resume their training).
+
+At the end: `WORKDIR/search-summary.json`, the study's plots on the MLflow parent run (every trial
+a child run), a table artifact, and the best trial evaluated, exported and registered through the
+gate by an ordinary `cifar` run (`until`).
+
+Without a server, the command line starts a temporary one with a process work pool and `parallel`
+local workers (`flows/local_pool.py`): the same dispatch, on this machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from uuid import UUID
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from prefect import flow  # noqa: E402
+from prefect.client.orchestration import get_client  # noqa: E402
+from prefect.deployments import run_deployment  # noqa: E402
+from prefect.exceptions import ObjectNotFound  # noqa: E402
+from pydantic import Field  # noqa: E402
+
+from cifar.config import ConfigOverrides, PipelineConfig, TrialLink, resolve_workdir  # noqa: E402
+from cifar.search import results as search_results  # noqa: E402
+from cifar.search import study as studies  # noqa: E402
+from cifar.search.space import OBJECTIVE, SearchSpace, load_space  # noqa: E402
+from cifar.tracking import mlflow_client, resolve_tracking_uri  # noqa: E402
+from flows.pipeline import dry_run_plan, show_stage_logs  # noqa: E402
+from tasks.search import attach_trial_run, close_search, open_search_run, open_study, registered_version  # noqa: E402
+
+TRIAL_DEPLOYMENT = "cifar/trial"  # prefect.yaml: the `cifar` flow, parameters filled in by the search.
+POLL_SECONDS = 2.0  # Between looks at the trials in flight.
+SearchUntil = Literal["train", "evaluate", "export"]
+
+
+def trial_parameters(
+    base: dict[str, Any], params: dict[str, Any], workdir: str, until: str, link: TrialLink | None = None
+) -> dict[str, Any]:
+    """The `cifar` flow's parameters for a trial: the base overrides with the trial's settings on top."""
+    config = copy.deepcopy(base)
+    config["train"] = {**config.get("train", {}), **params}
+    if link is not None:
+        config["trial"] = link.model_dump(mode="json", exclude_none=True)
+    return {"config": config, "workdir": workdir, "until": until}
+
+
+class TrialDispatcher:
+    """Keeps up to `parallel` trials of a study running as flow runs of the trial deployment."""
+
+    def __init__(self, study, space: SearchSpace, *, base: dict[str, Any], workdir: str, storage: str, deployment: str):
+        self.study = study
+        self.space = space
+        self.base = base
+        self.workdir = workdir
+        self.storage = storage
+        self.deployment = deployment
+        self.in_flight: dict[int, UUID] = {}
+
+    def dispatch(self, number: int) -> None:
+        """Creates the trial's flow run (the same one again, for a trial already dispatched to this server)."""
+        link = TrialLink(storage=studies.link_storage(self.storage), study_name=self.study.study_name, number=number)
+        params = studies.trial_params(self.study, number)
+        parameters = trial_parameters(self.base, params, self.workdir, "train", link)
+        flow_run = run_deployment(
+            self.deployment,
+            parameters=parameters,
+            timeout=0,
+            flow_run_name=f"{self.study.study_name}-trial-{number}",
+            idempotency_key=f"{self.study.study_name}-trial-{number}",
+            tags=["cifar-search"],
+        )
+        studies.record_dispatch(self.study, number, str(flow_run.id))
+        self.in_flight[number] = flow_run.id
+        print(f"Trial {number} dispatched as flow run {flow_run.name}: {params}")
+
+    def adopt_running(self) -> None:
+        """After a restart: waits for the trials still running, dispatches again those whose run is gone."""
+        for number, flow_run_id in studies.running_trials(self.study).items():
+            flow_run = read_flow_run(flow_run_id) if flow_run_id else None
+            if flow_run is None:
+                print(f"Trial {number} has no live flow run: dispatching it again")
+                self.dispatch(number)
+            else:
+                print(f"Trial {number} is still running as flow run {flow_run.name}: waiting for it")
+                self.in_flight[number] = flow_run.id
+
+    def fill(self, target: int, parallel: int) -> None:
+        """Asks the study for new trials while there is room and the target is not reached."""
+        while len(self.in_flight) < parallel and studies.count_finished(self.study) + len(self.in_flight) < target:
+            number, _ = studies.ask_trial(self.study, self.space)
+            self.dispatch(number)
+
+    def reap(self) -> list[int]:
+        """The trials whose flow run ended since the last look; a run that died before telling fails its trial."""
+        ended = []
+        for number, flow_run_id in list(self.in_flight.items()):
+            flow_run = read_flow_run(str(flow_run_id))
+            if flow_run is not None and not flow_run.state.is_final():
+                continue
+            if flow_run is None:
+                reason = f"flow run {flow_run_id} disappeared"
+            else:
+                reason = f"flow run {flow_run.name} ended {flow_run.state.name}: {flow_run.state.message or ''}"
+            studies.fail_trial(self.study, number, reason)  # No-op when the trial told its outcome.
+            del self.in_flight[number]
+            ended.append(number)
+        return ended
+
+
+def read_flow_run(flow_run_id: str | UUID):
+    """The flow run, or None when the server does not know it (a run of an earlier, temporary server)."""
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_flow_run(UUID(str(flow_run_id)))
+        except ObjectNotFound:
+            return None
+
+
+def warn_if_trainings_serialise(parallel: int) -> None:
+    """Says so when the `training` tag limit is below `parallel` (trials would queue for the device)."""
+    with get_client(sync_client=True) as client:
+        try:
+            limit = client.read_concurrency_limit_by_tag("training").concurrency_limit
+        except ObjectNotFound:
+            return
+    if limit < parallel:
+        print(f"Note: the `training` concurrency limit is {limit}: at most {limit} of {parallel} trials train at once")
+
+
+def evaluate_best(
+    best: dict[str, Any], *, base: dict[str, Any], workdir: str, until: str, deployment: str, tracking_uri: str
+) -> dict[str, Any]:
+    """Runs the best trial's settings to `until` as an ordinary `cifar` run (its training is reused)."""
+    parameters = trial_parameters(base, best["params"], workdir, until)
+    flow_run = run_deployment(deployment, parameters=parameters, flow_run_name=f"best-trial-{best['number']}")
+    if flow_run.state is None or not flow_run.state.is_completed():
+        message = flow_run.state.message if flow_run.state else "no state"
+        raise RuntimeError(f"the best trial's {until} run {flow_run.name} did not complete: {message}")
+    outcome: dict[str, Any] = {"flow_run_id": str(flow_run.id), "until": until}
+    if best.get("mlflow_run_id"):
+        metrics = mlflow_client(tracking_uri).get_run(best["mlflow_run_id"]).data.metrics
+        outcome["test_accuracy"] = metrics.get("test_accuracy")
+        if until == "export":
+            outcome["registered_model_version"] = registered_version(tracking_uri, best["mlflow_run_id"])
+    return outcome
+
+
+@flow(name="cifar-search", log_prints=True)
+def cifar_search(
+    config: ConfigOverrides = ConfigOverrides(preset="smoke"),
+    space: str = "smoke",
+    trials: Annotated[int, Field(ge=1, le=10_000)] = 8,
+    parallel: Annotated[int, Field(ge=1, le=1_000)] = 2,
+    workdir: str = "./workdir",
+    until: SearchUntil = "export",
+    deployment: str = TRIAL_DEPLOYMENT,
+    storage: str | None = None,
+) -> dict[str, Any]:
+    """Runs `trials` trials of the search space, `parallel` at a time, then evaluates and registers the best.
+
+    `space` is a preset (smoke, resnet, grid) or a JSON/YAML file; `storage` the study's store (default:
+    CIFAR_SEARCH_STORAGE, else WORKDIR/search/<study>.journal).
+    """
+    show_stage_logs()
+    resolved: PipelineConfig = config.resolve()
+    search_space = load_space(space)
+    search_space.check_against(resolved)
+    plan = dry_run_plan("cifar-search", resolved, workdir, until=until, space=search_space.name, trials=trials)
+    if plan:
+        return plan
+    workdir = str(resolve_workdir(workdir))
+    base = config.model_dump(mode="json", exclude_none=True)
+    study_name = studies.study_name_for(search_space, resolved)
+    storage = studies.resolve_storage(storage, workdir, study_name)
+    tracking_uri = resolve_tracking_uri(resolved.tracking, workdir)
+    grid_size = search_space.grid_size()
+    target = min(trials, grid_size) if grid_size else trials
+
+    study = open_study(storage, study_name, search_space, resolved.seed)
+    parent_run_id = open_search_run(resolved, workdir, tracking_uri, study, search_space, storage)
+    print(
+        f"Study {study_name} in {studies.redact(storage)}: {studies.count_finished(study)} of {target} trials "
+        f"finished; MLflow parent run {parent_run_id}"
+    )
+    warn_if_trainings_serialise(parallel)
+    dispatcher = TrialDispatcher(
+        study, search_space, base=base, workdir=workdir, storage=storage, deployment=deployment
+    )
+    dispatcher.adopt_running()
+    while True:
+        dispatcher.fill(target, parallel)
+        if not dispatcher.in_flight:
+            break
+        time.sleep(POLL_SECONDS)
+        for number in dispatcher.reap():
+            row = search_results.trial_row(study.trials[number])
+            print(f"Trial {number} {row['state']}: {OBJECTIVE} {row['value']} after {row['epochs_reported']} epochs")
+            attach_trial_run(tracking_uri, parent_run_id, study_name, row)
+    for row in search_results.trial_rows(study):  # Every child nested, also those of an earlier attempt.
+        attach_trial_run(tracking_uri, parent_run_id, study_name, row)
+
+    extra = {"preset": resolved.preset, "space": search_space.model_dump(mode="json"), "until": until}
+    extra |= {"trials_requested": target, "parallel": parallel, "deployment": deployment, "workdir": workdir}
+    summary = close_search(study, workdir, tracking_uri, parent_run_id, storage, extra)
+    best = summary["best"]
+    if best and until != "train":
+        outcome = evaluate_best(
+            best, base=base, workdir=workdir, until=until, deployment=deployment, tracking_uri=tracking_uri
+        )
+        summary["best"] |= outcome
+        search_results.write_summary(summary, workdir)
+        client = mlflow_client(tracking_uri)
+        if outcome.get("test_accuracy") is not None:
+            client.log_metric(parent_run_id, "best_test_accuracy", outcome["test_accuracy"])
+        if outcome.get("registered_model_version") is not None:
+            client.set_tag(parent_run_id, "best_registered_version", str(outcome["registered_model_version"]))
+    print(format_search(summary))
+    return summary
+
+
+def format_search(summary: dict[str, Any]) -> str:
+    """A few human lines: the counts, the best trial and where everything is."""
+    counts = summary["counts"]
+    lines = [
+        f"cifar search done: study {summary['study_name']} ({summary['storage']})",
+        f"  trials     {counts['COMPLETE']} complete, {counts['PRUNED']} pruned, {counts['FAIL']} failed",
+    ]
+    best = summary.get("best")
+    if best:
+        lines.append(f"  best       trial {best['number']}: {OBJECTIVE} {best['value']:.4f} {best['params']}")
+        if best.get("test_accuracy") is not None:
+            lines.append(f"  test       accuracy {100 * best['test_accuracy']:.2f} %")
+        if best.get("registered_model_version") is not None:
+            lines.append(f"  registry   version {best['registered_model_version']}")
+    lines.append(f"  mlflow     parent run {summary['parent_run_id']}")
+    lines.append(f"  summary    {Path(summary['workdir']) / search_results.SUMMARY_NAME}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from flows.search_cli import main  # The command line: validation, a local work pool, logs, no orphans.
+
+    sys.exit(main())
