@@ -16,7 +16,7 @@ MODEL ?= models:/cifar10@champion
 # Framework start-up lines and offline telemetry stay out of the logs; CIFAR_VERBOSE=1 lets them through.
 QUIET := $(if $(filter 1,$(CIFAR_VERBOSE)),,TF_CPP_MIN_LOG_LEVEL=2 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false)
 
-.PHONY: setup run test lint format clean bench system-deps server deploy worker mlflow-ui serve ui-check
+.PHONY: setup run test lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check
 
 setup: $(VENV)/.installed
 
@@ -75,6 +75,12 @@ mlflow-ui: setup
 serve: setup
 	$(QUIET) PATH=$(CURDIR)/$(VENV)/bin:$$PATH MLFLOW_TRACKING_URI=$(MLFLOW_TRACKING_URI) \
 	  $(VENV)/bin/mlflow models serve -m $(MODEL) --env-manager local -h 127.0.0.1 -p $(SERVE_PORT)
+
+# A hyperparameter search (flows/search.py): TRIALS trials, PARALLEL at a time on local workers.
+TRIALS ?= 8
+PARALLEL ?= 2
+search: setup
+	$(PY) flows/search.py --preset smoke --trials $(TRIALS) --parallel $(PARALLEL) --workdir $(WORKDIR) $(ARGS)
 
 clean:
 	rm -rf $(VENV) workdir .pytest_cache
