@@ -22,7 +22,7 @@ from cifar.preflight import ImpossibleRequestError, check_request
 from cifar.search.space import SPACE_PRESETS, load_space
 from flows.cli import SUPERVISED_ENV, config_from_args, describe_validation_error, log_to_file, supervise
 from flows.local_pool import local_work_pool
-from flows.search import TRIAL_DEPLOYMENT, cifar_search
+from flows.search import TRIAL_DEPLOYMENT, cifar_search, format_search
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,13 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from prefect.settings import get_current_settings
 
         if get_current_settings().api.url:
-            cifar_search(**arguments)
+            summary = cifar_search(**arguments)
         else:
             with local_work_pool(args.parallel, workdir / "logs"):
-                cifar_search(**arguments)
+                summary = cifar_search(**arguments)
     except Exception as error:
         with open(log_path, "a", encoding="utf-8") as log:
             log.write(traceback.format_exc())
         print(f"error: {type(error).__name__}: {error} (full log: {log_path})", file=sys.stderr)
         return 1
+    print(format_search(summary))  # The terminal shows one line of each log record: the summary in full.
     return 0
