@@ -82,5 +82,12 @@ PARALLEL ?= 2
 search: setup
 	$(PY) flows/search.py --preset smoke --trials $(TRIALS) --parallel $(PARALLEL) --workdir $(WORKDIR) $(ARGS)
 
+# Both UIs in headless Chromium after a smoke run and a sweep on the shared archive; screenshots into
+# docs/images/ (OUT=DIR elsewhere); exits 1 when a person would not see what they must. ~3-5 minutes.
+OUT ?= docs/images
+ui-check: setup
+	PLAYWRIGHT_SPEC=playwright==1.65.2 bash scripts/install_browser.sh
+	$(PY) scripts/ui_check.py --out $(OUT) $(ARGS)
+
 clean:
 	rm -rf $(VENV) workdir .pytest_cache

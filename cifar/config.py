@@ -341,10 +341,12 @@ def _overrides_model(model: type[BaseModel]) -> type[BaseModel]:
         annotation = field.annotation
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             section = _overrides_model(annotation)
-            fields[name] = (section, Field(default_factory=section, description=field.description))
+            title = f"{name.capitalize()} (fields set to None: from the preset)"
+            fields[name] = (section, Field(default_factory=section, title=title, description=field.description))
             continue
         constrained = Annotated[(annotation, *field.metadata)] if field.metadata else annotation
         description = f"{field.description} {FROM_PRESET}" if field.description else FROM_PRESET
+        # None must stay in the schema: the server validates the form's nulls against it.
         fields[name] = (Optional[constrained], Field(None, description=description))  # noqa: UP045
     return create_model(f"{model.__name__}Overrides", __base__=Section, __doc__=model.__doc__, **fields)
 

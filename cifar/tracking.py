@@ -22,6 +22,20 @@ from cifar.config import PipelineConfig, TrackingConfig
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 NOTE_TAG = "mlflow.note.content"  # The run page's description, rendered as markdown.
+# MLflow 3.17's UI picks its mode from the link, not from the kind tag: every link we print asks for the
+# model-training view, and the runs table opens a shared view (an experiment tag) with the compared columns.
+UI_MODE_QUERY = "workflowType=machine_learning"
+SHARED_VIEW = "cifar"
+SHARED_VIEW_TAG = f"mlflow.sharedViewState.{SHARED_VIEW}"
+COMPARED_COLUMNS = (
+    "attributes.`Models`",
+    "params.`preset`",
+    "params.`train.model`",
+    "params.`train.learning_rate`",
+    "metrics.`test_accuracy`",
+    "metrics.`best_val_accuracy`",
+    "metrics.`training_time_s`",
+)
 
 
 def resolve_tracking_uri(tracking: TrackingConfig, workdir: str | Path) -> str:
@@ -95,15 +109,29 @@ def ensure_experiment(tracking_uri: str, workdir: str | Path, name: str) -> str:
     if experiment is None:
         location = default_artifact_location(tracking_uri, workdir, name)
         try:
-            client.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
+            client.create_experiment(name, artifact_location=location, tags=experiment_view_tags())
         except Exception:  # Another process created it first: use theirs.
             pass
         experiment = client.get_experiment_by_name(name)
         if experiment is None:
             raise RuntimeError(f"MLflow experiment {name!r} could not be created in {tracking_uri}")
-    if experiment.tags.get(EXPERIMENT_KIND_TAG) is None:  # An experiment made before the tag existed.
-        client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    for key, value in experiment_view_tags().items():  # Also on an experiment made before these existed.
+        if experiment.tags.get(key) != value:
+            client.set_experiment_tag(experiment.experiment_id, key, value)
     return experiment.experiment_id
+
+
+def experiment_view_tags() -> dict[str, str]:
+    """The experiment's model-training kind and the runs table's shared view (columns a person compares)."""
+    import json
+
+    view = {"selectedColumns": list(COMPARED_COLUMNS), "orderByKey": "attributes.start_time", "orderByAsc": False}
+    return {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND, SHARED_VIEW_TAG: json.dumps(view)}
+
+
+def runs_table_url(ui_url: str, experiment_id: str) -> str:
+    """The experiment's runs table in the model-training view, with the compared columns."""
+    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={SHARED_VIEW}&{UI_MODE_QUERY}"
 
 
 def human_run_name(config: PipelineConfig, now: datetime | None = None) -> str:
@@ -185,6 +213,20 @@ def git_commit(directory: str | Path | None = None) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return result.stdout.strip() or None
+
+
+def source_tags() -> dict[str, str]:
+    """What the run page's Source and User show: the pipeline, its commit, the account that ran it."""
+    import getpass
+
+    tags = {"mlflow.source.name": "flows/pipeline.py", "mlflow.source.type": "JOB"}
+    commit = git_commit()
+    tags |= {"git_commit": commit or "unknown"} | ({"mlflow.source.git.commit": commit} if commit else {})
+    try:
+        tags["mlflow.user"] = getpass.getuser()
+    except (KeyError, OSError):  # No name for this uid (a container): MLflow leaves User empty.
+        pass
+    return tags
 
 
 def run_exists(tracking_uri: str, run_id: str) -> bool:

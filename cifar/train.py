@@ -369,10 +369,8 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
     }
     run_id = run.read_state().get("mlflow_run_id")
     if not (run_id and tracking.run_exists(uri, run_id)):
-        tags = {"model": train.model, "run_name": run.name, "git_commit": tracking.git_commit() or "unknown"}
-        tags[tracking.NOTE_TAG] = f"Preset `{job.config.preset}`, training directory `{run.path}`."
-        name = tracking.human_run_name(job.config)
-        run_id = tracking.create_run(uri, job.workdir, job.config.tracking.experiment, name, tags)
+        # Derived values and keys are tags, not params: the compare page plots params, and these would
+        # crowd out the settings a person chose.
         derived = {
             "derived.steps_per_epoch": job.steps_per_epoch,
             "derived.train_examples": job.num_train_examples,
@@ -380,7 +378,13 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
             "derived.data_key": job.manifest.key,
             "derived.training_key": job.key,
         }
-        tracking.log_params(uri, run_id, {**job.config.flat(), **derived})
+        tags = {"model": train.model, "run_name": run.name, **tracking.source_tags()}
+        tags |= tracking.stringify_params(derived)
+        tags[tracking.NOTE_TAG] = f"Preset `{job.config.preset}`, training directory `{run.path}`."
+        name = tracking.human_run_name(job.config)
+        run_id = tracking.create_run(uri, job.workdir, job.config.tracking.experiment, name, tags)
+        params = {key: value for key, value in job.config.flat().items() if key != "tracking.run_name"}
+        tracking.log_params(uri, run_id, params)
         with tracking.use_run(uri, run_id):
             mlflow.log_input(tracking.manifest_dataset(job.manifest, job.data_dir), context="training")
             mlflow.log_dict(job.config.model_dump(mode="json"), "config.json")

@@ -21,13 +21,14 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from prefect import flow  # noqa: E402
+from prefect.runtime import flow_run  # noqa: E402
 
 from cifar.config import ConfigOverrides, PipelineConfig  # noqa: E402
 from cifar.tracking import mark_failed, resolve_tracking_uri  # noqa: E402
 from flows.pipeline import cifar_pipeline, dry_run_plan  # noqa: E402
 from tasks.sweep import attach_child_run, close_sweep_run, open_sweep_run  # noqa: E402
 
-ROW_FIELDS = ("val_accuracy", "test_accuracy", "run_name")
+ROW_FIELDS = ("val_accuracy", "test_accuracy", "mlflow_run_name", "run_name")
 REUSED_STATES = {"Cached", "Reused"}  # The point's training finished in an earlier run.
 
 
@@ -53,7 +54,15 @@ def named_point(config: PipelineConfig, name: str) -> PipelineConfig:
     return config.model_copy(update={"tracking": config.tracking.model_copy(update={"run_name": name})})
 
 
-@flow(name="cifar-sweep", log_prints=True)
+def sweep_flow_run_name() -> str:
+    """The sweep's name in the Prefect UI: its preset and grid size (`sweep-smoke-4-points`)."""
+    parameters = flow_run.parameters
+    preset = ConfigOverrides.model_validate(parameters.get("config") or {}).preset
+    points = len(parameters.get("models") or []) * len(parameters.get("learning_rates") or [])
+    return f"sweep-{preset}-{points}-points"
+
+
+@flow(name="cifar-sweep", log_prints=True, flow_run_name=sweep_flow_run_name)
 def sweep(
     config: ConfigOverrides = ConfigOverrides(preset="smoke"),
     models: list[str] = ["tiny", "tutorial"],  # noqa: B006  Prefect renders the default in the UI.

@@ -12,7 +12,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
 from cifar.io import atomic_write_json, read_json
-from cifar.tracking import mlflow_client
+from cifar.tracking import UI_MODE_QUERY, mlflow_client, runs_table_url
 from cifar.workdir import summary_path
 
 logger = logging.getLogger("tasks.artifacts")
@@ -78,7 +78,8 @@ LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # Where `make mlflow-ui` serves a loc
 
 
 def mlflow_run_link(tracking_uri: str | None, run_id: str | None) -> dict[str, str | None]:
-    """The run's name and URL in the MLflow UI, and for a local store the command that serves that UI."""
+    """The run's name and URL in the MLflow UI (and its experiment's runs table), and for a local store
+    the command that serves that UI."""
     if not tracking_uri or not run_id:
         return {}
     try:
@@ -87,10 +88,13 @@ def mlflow_run_link(tracking_uri: str | None, run_id: str | None) -> dict[str, s
     except Exception as error:
         logger.warning("Could not look up MLflow run %s: %s", run_id, error)
         experiment_id, name = None, None
+    served = urlsplit(tracking_uri).scheme in {"http", "https"}
+    ui_url = tracking_uri.rstrip("/") if served else LOCAL_MLFLOW_UI
     fragment = f"#/experiments/{experiment_id}/runs/{run_id}" if experiment_id else f"#/runs/{run_id}"
-    link = {"mlflow_run_name": name, "mlflow_run_url": f"{tracking_uri.rstrip('/')}/{fragment}"}
-    if urlsplit(tracking_uri).scheme not in {"http", "https"}:
-        link["mlflow_run_url"] = f"{LOCAL_MLFLOW_UI}/{fragment}"
+    link = {"mlflow_run_name": name, "mlflow_run_url": f"{ui_url}/{fragment}?{UI_MODE_QUERY}"}
+    if experiment_id:
+        link["mlflow_runs_url"] = runs_table_url(ui_url, experiment_id)
+    if not served:
         link["mlflow_ui_command"] = f"make mlflow-ui MLFLOW_TRACKING_URI={tracking_uri}"
     return link
 
@@ -144,14 +148,14 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def report_markdown(summary: dict[str, Any]) -> str:
     """The end-of-run report: accuracy, per-class table, export path and the MLflow run."""
-    lines = [f"# CIFAR-10 pipeline: {summary.get('preset', '')} preset, until `{summary.get('until')}`", ""]
+    lines = [f"# CIFAR-10 pipeline: {summary.get('preset', '')} preset, up to {summary.get('until')}", ""]
     rows = [
         ("Data", summary.get("data_dir")),
         (
             "Examples (train/validation/test)",
             "/".join(str(summary.get("counts", {}).get(split, "-")) for split in ("train", "validation", "test")),
         ),
-        ("Training run", summary.get("run_name")),
+        ("Training run", _training_run(summary)),
         ("Epochs completed", summary.get("epochs_completed")),
         ("Validation accuracy (best epoch)", _percent(summary.get("val_accuracy"))),
         ("Test accuracy", _percent(summary.get("test_accuracy"))),
@@ -182,12 +186,20 @@ def report_markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _training_run(summary: dict[str, Any]) -> str | None:
+    """The MLflow run's name (what the UIs show) and the training directory's (where the files are)."""
+    directory, name = summary.get("run_name"), summary.get("mlflow_run_name")
+    return f"{name} (directory runs/{directory})" if name and directory else directory
+
+
 def _mlflow_link(summary: dict[str, Any]) -> str | None:
     """A clickable link to the run; for a local store, with the command that serves its UI."""
     url, run_id = summary.get("mlflow_run_url"), summary.get("mlflow_run_id")
     if not url:
         return run_id
     link = f"[{summary.get('mlflow_run_name') or run_id}]({url})"
+    if summary.get("mlflow_runs_url"):
+        link += f", [all runs]({summary['mlflow_runs_url']})"
     command = summary.get("mlflow_ui_command")
     return f"{link} (local store: run `{command}` first)" if command else link
 

@@ -144,3 +144,18 @@ def test_a_form_left_alone_resolves_to_the_deployment_preset():
     assert schema["properties"]["preset"]["enum"] == sorted(PRESETS, key=list(PRESETS).index)
     train = schema["$defs"]["TrainConfigOverrides"]["properties"]
     assert {"type": "null"} in train["epochs"]["anyOf"] and "from the preset" in train["epochs"]["description"]
+
+
+def test_deployment_descriptions_state_their_preset_truthfully():
+    # The "Custom run" form shows None for every field: the description says what the preset runs.
+    import yaml
+
+    for deployment in yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]:
+        preset = deployment["parameters"]["config"]["preset"]
+        train = make_config(preset).train
+        if deployment["name"] in {"smoke", "full", "nightly"}:
+            assert (
+                f"{preset.capitalize()} preset: model {train.model}, {train.epochs} epochs" in deployment["description"]
+            )
+        if deployment["name"] == "nightly":
+            assert "UTC" in deployment["description"] and deployment["schedules"][0]["timezone"] == "UTC"

@@ -76,7 +76,7 @@ def test_editing_the_optimizer_trains_a_new_run_while_an_unchanged_rerun_reuses_
 
     # The data key logged to MLflow is the key in the data directory's name.
     client = mlflow.MlflowClient(tracking_uri=before["tracking_uri"])
-    logged_key = client.get_run(before["mlflow_run_id"]).data.params["derived.data_key"]
+    logged_key = client.get_run(before["mlflow_run_id"]).data.tags["derived.data_key"]
     assert Path(before["data_dir"]).name == f"cifar10-{logged_key}" and before["keys"]["data"] == logged_key
 
     started = time.monotonic()
