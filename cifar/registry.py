@@ -135,12 +135,19 @@ def log_pyfunc_model(export_result: ExportResult, input_example: np.ndarray):
     )
 
 
+MODEL_DESCRIPTION = (
+    "CIFAR-10 classifier. Input: uint8 images [batch, 32, 32, 3], integers 0-255 (JSON `inputs`). "
+    "Output: class ids, class names and probabilities. The `champion` alias is the served version; "
+    "only the pipeline's promotion gate moves it."
+)
+
+
 def register_version(client, model_name: str, model_info, tags: dict[str, str]) -> int:
     """Registers a logged model as a new version of `model_name`, created with its tags in one request."""
     from mlflow.exceptions import MlflowException
 
     try:
-        client.create_registered_model(model_name)
+        client.create_registered_model(model_name, description=MODEL_DESCRIPTION)
     except MlflowException as error:
         if error.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
@@ -222,6 +229,10 @@ def register_and_promote(
                 number, model_uri = int(version.version), version.source
             result = _gate(client, config, key, number, model_uri, test_accuracy)
             _log_decision(result)
+            if number is not None:  # What the registry page shows beside the version.
+                verdict = "champion" if result.champion else "not promoted"
+                description = f"Test accuracy {100 * test_accuracy:.2f} %, {verdict}: {result.reason}"
+                client.update_model_version(model_name, str(number), description=description)
     return result
 
 
