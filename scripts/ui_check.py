@@ -100,6 +100,11 @@ CHECKS: tuple[Check, ...] = (
         expect=(r"(?m)^Preset( \(Optional\))?: smoke$", r"(?i)from the preset"),
     ),
     Check(
+        "the nightly schedule names its time zone (UTC) on the deployment page",
+        "prefect-nightly-schedule",
+        expect=(r"02:00", r"UTC"),
+    ),
+    Check(
         "smoke flow run's logs end with the pipeline summary",
         "prefect-flow-run-smoke",
         expect=(r"Completed", r"cifar pipeline done", r"registry\s+version \d+, champion"),
@@ -129,7 +134,7 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "the report's 'all runs' link opens the runs table in the model-training view",
         "mlflow-experiment-landing",
-        expect=(r"(?m)^url: \S+#/experiments/\d+/runs\?", r"Training runs"),
+        expect=(r"(?m)^url: \S+#/experiments/\d+/runs\?", r"(?m)^Model registry$", r"(?m)^test_accuracy$"),
     ),
     # (ii) Human run names (smoke-<model>-lr<rate>-<time>) and a test-accuracy column in the runs table.
     Check("MLflow runs table: human run names (smoke-...)", "mlflow-runs-table", expect=(r"(?m)^smoke-",)),
@@ -151,6 +156,7 @@ SCREENSHOTS = {
     "prefect-deployments": "prefect-deployments.png",
     "prefect-custom-run-smoke": "prefect-custom-run-smoke-train.png",
     "prefect-custom-run-smoke-top": "prefect-custom-run-smoke.png",
+    "prefect-nightly-schedule": "prefect-nightly-schedule.png",
     "prefect-flow-run-smoke": "prefect-flow-run-smoke-logs.png",
     "prefect-flow-run-smoke-artifacts": "prefect-flow-run-smoke-artifacts.png",
     "prefect-smoke-report": "prefect-smoke-report.png",
@@ -595,6 +601,13 @@ def visit_prefect_deployments(b: Browser, stack: Stack, ctx: dict) -> Shot:
     return b.shoot("prefect-deployments")
 
 
+def visit_prefect_nightly(b: Browser, stack: Stack, ctx: dict) -> Shot:
+    nightly = deployment(stack, "cifar-retrain/nightly")
+    b.goto(prefect_ui(stack, f"/deployments/deployment/{nightly['id']}"), wait_for=r"(?m)^nightly$")
+    b.wait_text(r"02:00")
+    return b.shoot("prefect-nightly-schedule")
+
+
 def visit_prefect_custom_run(b: Browser, stack: Stack, ctx: dict) -> Shot:
     smoke = deployment(stack, "cifar/smoke")
     b.goto(prefect_ui(stack, f"/deployments/deployment/{smoke['id']}"), wait_for=r"(?m)^smoke$")
@@ -783,6 +796,7 @@ def visit_mlflow_registry(b: Browser, stack: Stack, ctx: dict) -> Shot:
 PAGES: dict[str, Visitor] = {
     "prefect-deployments": visit_prefect_deployments,
     "prefect-custom-run-smoke": visit_prefect_custom_run,
+    "prefect-nightly-schedule": visit_prefect_nightly,
     "prefect-flow-run-smoke": visit_prefect_flow_run_logs,
     "prefect-flow-run-smoke-artifacts": visit_prefect_flow_run_artifacts,
     "prefect-smoke-report": visit_prefect_report,
