@@ -94,6 +94,14 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
         raise ConfigError(describe_validation_error(error)) from None
 
 
+def add_archive_arguments(parser: argparse.ArgumentParser) -> None:
+    """--source, --sha256 and --md5: where the archive is and what it must hash to (every entry point)."""
+    add = parser.add_argument
+    add("--source", help="http(s)/file:// URL or local path of the archive (default: the official one)")
+    add("--sha256", help="expected SHA-256 of the archive (hex)")
+    add("--md5", help="expected MD5 of the archive (hex); official URLs default to the published one")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python flows/pipeline.py",
@@ -102,9 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--set train.epochs=3 --until evaluate",
     )
     add = parser.add_argument
-    add("--source", help="http(s)/file:// URL or local path of the archive (default: the official one)")
-    add("--sha256", help="expected SHA-256 of the archive (hex)")
-    add("--md5", help="expected MD5 of the archive (hex); official URLs default to the published one")
+    add_archive_arguments(parser)
     add("--workdir", default="./workdir", help="where data, runs, exports and summary.json go")
     add("--preset", default="default", choices=sorted(PRESETS), help="named set of settings")
     add("--until", default="export", choices=STAGES, help="last stage to run (export includes registering)")

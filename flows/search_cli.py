@@ -20,7 +20,14 @@ from pydantic import ValidationError
 from cifar.config import PRESETS, ConfigOverrides, resolve_workdir
 from cifar.preflight import ImpossibleRequestError, check_request
 from cifar.search.space import SPACE_PRESETS, load_space
-from flows.cli import SUPERVISED_ENV, config_from_args, describe_validation_error, log_to_file, supervise
+from flows.cli import (
+    SUPERVISED_ENV,
+    add_archive_arguments,
+    config_from_args,
+    describe_validation_error,
+    log_to_file,
+    supervise,
+)
 from flows.local_pool import local_work_pool
 from flows.search import TRIAL_DEPLOYMENT, cifar_search, format_search
 
@@ -33,9 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--trials 8 --parallel 2",
     )
     add = parser.add_argument
-    add("--source", help="http(s)/file:// URL or local path of the archive (default: the official one)")
-    add("--sha256", help="expected SHA-256 of the archive (hex)")
-    add("--md5", help="expected MD5 of the archive (hex); official URLs default to the published one")
+    add_archive_arguments(parser)
     add("--workdir", default="./workdir", help="where data, runs, the study and search-summary.json go")
     add("--preset", default="smoke", choices=sorted(PRESETS), help="the pipeline preset every trial starts from")
     presets = ", ".join(sorted(SPACE_PRESETS))

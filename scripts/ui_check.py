@@ -102,7 +102,7 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "the nightly schedule names its time zone (UTC) on the deployment page",
         "prefect-nightly-schedule",
-        expect=(r"02:00", r"UTC"),
+        expect=(r"At 02:00 AM", r"Nightly retraining at 02:00 UTC"),
     ),
     Check(
         "smoke flow run's logs end with the pipeline summary",
@@ -603,8 +603,10 @@ def visit_prefect_deployments(b: Browser, stack: Stack, ctx: dict) -> Shot:
 
 def visit_prefect_nightly(b: Browser, stack: Stack, ctx: dict) -> Shot:
     nightly = deployment(stack, "cifar-retrain/nightly")
-    b.goto(prefect_ui(stack, f"/deployments/deployment/{nightly['id']}"), wait_for=r"(?m)^nightly$")
-    b.wait_text(r"02:00")
+    # The schedule card reads "At 02:00 AM" (in the schedule's own time zone); the description names it.
+    url = prefect_ui(stack, f"/deployments/deployment/{nightly['id']}?tab=Description")
+    b.goto(url, wait_for=r"(?m)^nightly$")
+    b.wait_text(r"02:00 UTC")
     return b.shoot("prefect-nightly-schedule")
 
 
