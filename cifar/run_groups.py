@@ -97,7 +97,8 @@ def close_parent_run(
         labels = [" ".join(f"{row[field]}" for field in label_fields) for row in scored]
         client.log_image(parent_run_id, _chart(labels, [row[metric] for row in scored], metric), "comparison.png")
     if best:
-        client.log_metric(parent_run_id, f"best_{metric}", best[metric])
+        for key, value in finite_metrics({f"best_{metric}": best[metric]}).items():
+            client.log_metric(parent_run_id, key, value)
         client.set_tag(parent_run_id, "best_child_run_id", best["mlflow_run_id"])
         client.set_tag(parent_run_id, "best_point", " ".join(f"{field}={best[field]}" for field in label_fields))
     client.set_terminated(parent_run_id, status="FINISHED")
