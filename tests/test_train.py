@@ -82,8 +82,13 @@ def test_tiny_model_learns_checkpoints_and_logs_one_mlflow_run(data_dir, tmp_pat
     assert state["mlflow_run_id"] == result.mlflow_run_id
     run = client.get_run(result.mlflow_run_id)
     assert run.info.status == "FINISHED"
-    assert set(config.flat()) <= set(run.data.params)
+    assert set(config.flat()) - {"tracking.run_name"} <= set(run.data.params)  # The run name is the run's name.
     assert run.data.params["train.model"] == "tiny"
+    # Single values a person compares, and keys as tags (the compare page plots params only).
+    assert run.data.metrics["best_val_accuracy"] == pytest.approx(result.val_accuracy)
+    assert run.data.metrics["training_time_s"] > 0 and run.data.metrics["epochs_completed"] == 2
+    assert run.data.tags["derived.training_key"] == result.key and "derived.training_key" not in run.data.params
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     for key in ("loss", "accuracy", "val_loss", "val_accuracy", "learning_rate", "examples_per_second"):
         assert [metric.step for metric in client.get_metric_history(run.info.run_id, key)] == [1, 2], key
     artifacts = {artifact.path for artifact in client.list_artifacts(run.info.run_id)}
