@@ -49,9 +49,11 @@ test: setup system-deps lint
 bench: setup
 	$(PY) bench/run_all.py
 
-# The Prefect server and its UI on PREFECT_PORT (the UI must be told its own API's address).
+# The Prefect server and its UI on PREFECT_PORT (the UI must be told its own API's address; logs are
+# streamed so that `prefect deployment run --watch` shows each run's log lines, the summary included).
 server: setup
 	$(QUIET) PYTHON=$(PY) PREFECT_UI_API_URL=$(PREFECT_API_URL) PREFECT_API_URL=$(PREFECT_API_URL) \
+	  PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED=true PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED=true \
 	  scripts/prefect_server.sh --host 127.0.0.1 --port $(PREFECT_PORT)
 
 # Once per server: the work pool, one training per device at a time, every deployment in prefect.yaml.
