@@ -116,13 +116,29 @@ def task_states(stack: Stack, flow_run_id: str) -> dict[str, str]:
     return {run["name"].rsplit("-", 1)[0]: run["state"]["name"] for run in response.json()}
 
 
-def flow_run_logs(stack: Stack, flow_run_id: str) -> str:
-    response = httpx.post(
-        f"{stack.server.api_url}/logs/filter",
-        json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200},
-        timeout=30,
-    )
-    return "\n".join(entry["message"] for entry in response.json())
+def flow_run_logs(stack: Stack, flow_run_id: str, expect: str | None = None, timeout: float = 60.0) -> str:
+    """Every log line of the flow run, page by page; with `expect`, waits until a line contains it.
+
+    A flow run's last lines (its summary) reach the server after its final state: the run's process
+    ships logs in batches, so a test that reads right after COMPLETED may be early.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        messages, offset = [], 0
+        while True:
+            page = httpx.post(
+                f"{stack.server.api_url}/logs/filter",
+                json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200, "offset": offset},
+                timeout=30,
+            ).json()
+            messages += [entry["message"] for entry in page]
+            offset += len(page)
+            if len(page) < 200:
+                break
+        text = "\n".join(messages)
+        if expect is None or expect in text or time.monotonic() > deadline:
+            return text
+        time.sleep(1)
 
 
 def artifacts(stack: Stack, flow_run_id: str) -> dict[str, dict]:
@@ -180,7 +196,8 @@ def test_smoke_deployment_runs_then_reuses_every_stage(stack, python_archive, tm
     assert "| airplane |" in report  # The per-class table.
     assert "](http://127.0.0.1:5000/#/experiments/" in report and "make mlflow-ui" in report  # A clickable link.
     assert summary["mlflow_run_name"].startswith("smoke-tiny-lr0.05-")  # preset-model-rate-UTC time.
-    assert "cifar pipeline done (preset smoke" in flow_run_logs(stack, first["id"])  # The CLI's summary.
+    summary_line = "cifar pipeline done (preset smoke"  # The CLI's summary, in the flow run's logs.
+    assert summary_line in flow_run_logs(stack, first["id"], expect=summary_line)
 
     second = wait_for(stack, run_deployment(stack, "cifar/smoke", parameters))
     assert second["state"]["type"] == "COMPLETED", f"{second['state']}\n{stack.diagnostics()}"
@@ -207,7 +224,8 @@ def test_crash_mid_training_fails_the_run_and_the_rerun_resumes(stack, python_ar
 
     resumed = wait_for(stack, run_deployment(stack, "cifar/smoke", parameters))
     assert resumed["state"]["type"] == "COMPLETED", f"{resumed['state']}\n{stack.diagnostics()}"
-    assert "resuming crash-drill after epoch 1" in flow_run_logs(stack, resumed["id"])
+    resumed_line = "resuming crash-drill after epoch 1"
+    assert resumed_line in flow_run_logs(stack, resumed["id"], expect=resumed_line)
     assert first_epoch.stat().st_mtime_ns == written  # Epoch 1 was not trained again.
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["epochs_completed"] == 2 and (checkpoint_dir / "epoch-0002.keras").is_file()
