@@ -285,6 +285,16 @@ def test_sweep_groups_its_child_runs_under_one_mlflow_parent(stack, python_archi
     assert "%" in table["data"] and "Best by val_accuracy" in table["description"]
 
 
+def post_retrying(url: str, body: dict, attempts: int = 6) -> httpx.Response:
+    """POSTs like Prefect's own client: a busy server's 503 (its SQLite database locked) is retried."""
+    for attempt in range(attempts):
+        response = httpx.post(url, json=body, timeout=30)
+        if response.status_code != 503:
+            break
+        time.sleep(2 * (attempt + 1))
+    return response
+
+
 def form_parameters(schema: dict, deployment_parameters: dict) -> dict:
     """What "Custom run" submits untouched: the deployment's values over the parameter schema's defaults."""
 
@@ -315,10 +325,9 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
     for entry in declared:
         deployment = by_name[entry["name"]]
         parameters = form_parameters(deployment["parameter_openapi_schema"], deployment["parameters"])
-        response = httpx.post(
+        response = post_retrying(
             f"{stack.server.api_url}/deployments/{deployment['id']}/create_flow_run",
-            json={"parameters": parameters, "job_variables": {"env": env}},
-            timeout=30,
+            {"parameters": parameters, "job_variables": {"env": env}},
         )
         assert response.status_code == 201, response.text
         submitted[entry["name"]] = (response.json()["id"], deployment, entry["parameters"]["config"]["preset"])
@@ -338,10 +347,9 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
 
     # A value outside a closed set never becomes a run: the server validates the form.
     smoke = by_name["smoke"]
-    rejected = httpx.post(
+    rejected = post_retrying(
         f"{stack.server.api_url}/deployments/{smoke['id']}/create_flow_run",
-        json={"parameters": {"config": {"preset": "smok"}}},
-        timeout=30,
+        {"parameters": {"config": {"preset": "smok"}}},
     )
     assert rejected.status_code in (409, 422) and "preset" in rejected.text, rejected.text
 
