@@ -132,6 +132,19 @@ class TrainConfig(Section):
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
     weight_decay: float = Field(2e-4, ge=0, le=1, description="L2 coefficient on conv/dense kernels.")
+    optimizer: Literal["sgd", "muon"] = Field(
+        "sgd",
+        description="sgd: SGD with momentum on every parameter; muon: Muon on the conv filters (no L2 on them), "
+        "SGD on the rest (airbench94_muon).",
+    )
+    muon_learning_rate: float = Field(
+        0.24,
+        gt=0,
+        le=10,
+        description="muon only: the filters' peak step per optimizer step, on filters of unit RMS norm; not scaled "
+        "with batch_size (airbench94_muon: 0.24 at batch 2,000).",
+    )
+    muon_momentum: float = Field(0.6, ge=0, lt=1, description="muon only: momentum of the filters' gradients.")
     schedule: Literal["piecewise", "cosine", "onecycle", "constant"] = "piecewise"
     warmup_epochs: float = Field(0.0, ge=0)
     warmup_initial_factor: float = Field(0.0, ge=0, le=1, description="onecycle: rate at the start, x peak.")
@@ -192,6 +205,15 @@ class TrainConfig(Section):
             raise ValueError(f"warmup_epochs ({self.warmup_epochs}) must be shorter than epochs ({self.epochs})")
         if self.lookahead_steps is not None and self.ema_decay is not None:
             raise ValueError("lookahead_steps and ema_decay both average weights: set at most one of them")
+        if self.optimizer != "muon":
+            # A Muon setting under SGD would be silently ignored: say so instead.
+            for name in ("muon_learning_rate", "muon_momentum"):
+                default = type(self).model_fields[name].default
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name} ({getattr(self, name)}) applies to optimizer 'muon' only, but optimizer is "
+                        f"{self.optimizer!r}: set optimizer to 'muon' or leave {name} at {default}"
+                    )
         return self
 
 

@@ -12,7 +12,9 @@ bypasses momentum (its effective strength differs by ~1/(1 - momentum)), so the 
 the ResNet-9 recipes' published coefficients would not carry over. With `decay_biases` (the fast
 recipes) every parameter is decayed, batch-norm biases by `weight_decay / bias_learning_rate_multiplier`, and
 `cifar.optimizers.GroupedSGD` gives batch-norm biases their own rate and stops the whitening bias
-after `whitening_bias_epochs`; `Lookahead` (cifar.callbacks) replaces EMA there.
+after `whitening_bias_epochs`; `Lookahead` (cifar.callbacks) replaces EMA there. With
+`optimizer: muon` the conv filters are trained by Muon (`cifar.optimizers.ConvMuon`) and carry no
+L2 penalty: Muon renormalises them every step.
 
 Run directory `WORKDIR/runs/<run_name>/` (contract in `cifar.checkpoints`): `checkpoints/`,
 `history.json`, `state.json` and `training_curves.png`. The default run name is the model and the
@@ -65,7 +67,7 @@ from cifar.data.manifest import Manifest, load_manifest
 from cifar.input_pipeline import make_eval_dataset, make_train_dataset, split_size
 from cifar.layers import PatchWhitening
 from cifar.models import build_model, init_whitening, input_size
-from cifar.optimizers import GroupedSGD
+from cifar.optimizers import ConvMuon, GroupedSGD, is_conv_filter
 from cifar.performance import configure_performance
 from cifar.results import TrainResult
 from cifar.reuse import training_key
@@ -123,14 +125,21 @@ WHITENING_BIAS_PATTERN = r"(^|/)whitening/bias$"  # The fast net's PatchWhitenin
 
 
 def add_weight_decay(
-    model: keras.Model, weight_decay: float, *, decay_biases: bool = False, bias_multiplier: float = 1.0
+    model: keras.Model,
+    weight_decay: float,
+    *,
+    decay_biases: bool = False,
+    bias_multiplier: float = 1.0,
+    decay_filters: bool = True,
 ) -> list[str]:
     """Puts an L2 penalty (gradient `weight_decay * w`) on every conv/dense kernel; returns their paths.
 
     With `decay_biases` every other trainable variable (biases, batch-norm beta/gamma) is decayed
     too, by `weight_decay / multiplier` where its learning rate is `multiplier` times the base: the
     product of rate and decay, i.e. how much of the weight each step removes, is then the same for
-    every parameter (airbench's parameterisation).
+    every parameter (airbench's parameterisation). `decay_filters=False` leaves the convolution
+    filters alone: Muon renormalises them every step, and a penalty's gradient would only bend the
+    direction it orthogonalises.
     """
     if weight_decay <= 0:
         return []
@@ -138,6 +147,8 @@ def add_weight_decay(
     bias_regularizer = keras.regularizers.L2(weight_decay / 2.0 / bias_multiplier)
     decayed = []
     for variable in model.trainable_variables:
+        if not decay_filters and is_conv_filter(variable):
+            continue
         # Kernels of Conv/Dense/Depthwise/Separable layers; biases and BN gamma/beta only on request.
         if variable.name.endswith("kernel"):
             variable.regularizer = regularizer
@@ -151,7 +162,8 @@ def add_weight_decay(
 
 
 def make_optimizer(config: PipelineConfig, steps_per_epoch: int) -> GroupedSGD:
-    """SGD with momentum on the configured schedule, with airbench's parameter groups when asked."""
+    """SGD with momentum on the configured schedule, with airbench's parameter groups when asked;
+    with `optimizer: muon`, Muon on the conv filters, its rate following the same schedule's shape."""
     train = config.train
     schedule = schedules.make_schedule(train, steps_per_epoch)
     multipliers = {}
@@ -160,15 +172,22 @@ def make_optimizer(config: PipelineConfig, steps_per_epoch: int) -> GroupedSGD:
     stops = {}
     if train.whitening_bias_epochs is not None:
         stops[WHITENING_BIAS_PATTERN] = int(round(train.whitening_bias_epochs * steps_per_epoch))
-    return GroupedSGD(
-        learning_rate=schedule,
-        momentum=train.momentum,
-        nesterov=train.nesterov,
-        learning_rate_multipliers=multipliers,
-        stop_after_steps=stops,
-        use_ema=train.ema_decay is not None,
-        ema_momentum=train.ema_decay or 0.99,
-    )
+    settings = {
+        "learning_rate": schedule,
+        "momentum": train.momentum,
+        "nesterov": train.nesterov,
+        "learning_rate_multipliers": multipliers,
+        "stop_after_steps": stops,
+        "use_ema": train.ema_decay is not None,
+        "ema_momentum": train.ema_decay or 0.99,
+    }
+    if train.optimizer == "muon":
+        # The filters' rate is the schedule's times this ratio: muon_learning_rate at the schedule's peak.
+        peak = schedules.scaled_learning_rate(train.learning_rate, train.batch_size)
+        return ConvMuon(
+            muon_learning_rate_multiplier=train.muon_learning_rate / peak, muon_momentum=train.muon_momentum, **settings
+        )
+    return GroupedSGD(**settings)
 
 
 def compile_model(model: keras.Model, config: PipelineConfig, steps_per_epoch: int, jit_compile: bool) -> None:
@@ -327,6 +346,7 @@ def _build_model(job: TrainingJob, strategy, jit_compile: bool, checkpoint: Path
             train.weight_decay,
             decay_biases=train.decay_biases,
             bias_multiplier=train.bias_learning_rate_multiplier,
+            decay_filters=train.optimizer != "muon",
         )
         compile_model(model, job.config, job.steps_per_epoch, jit_compile)
         if job.plan.cluster is not None:

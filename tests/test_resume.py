@@ -1,4 +1,8 @@
-"""Kill-and-resume: a training process killed with SIGKILL mid-run loses no epoch and repeats none."""
+"""Kill-and-resume: a training process killed with SIGKILL mid-run loses no epoch and repeats none.
+
+The kill test runs with both optimizers: SGD, and Muon on the conv filters (`train.optimizer: muon`),
+whose momentum buffers must come back from the checkpoint like SGD's.
+"""
 
 from __future__ import annotations
 
@@ -40,8 +44,8 @@ def data_dir(python_archive, tmp_path_factory) -> str:
     return prepare_data(config, tmp_path_factory.mktemp("resume-data")).data_dir
 
 
-def worker_command(data_dir: str, workdir: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(WORKER), data_dir, str(workdir), json.dumps(CONFIG), *extra]
+def worker_command(data_dir: str, workdir: Path, *extra: str, config: dict = CONFIG) -> list[str]:
+    return [sys.executable, str(WORKER), data_dir, str(workdir), json.dumps(config), *extra]
 
 
 def worker_environment() -> dict[str, str]:
@@ -54,7 +58,9 @@ def epochs_reported(output: str) -> list[int]:
     return [json.loads(line[len("EPOCH ") :])["epoch"] for line in output.splitlines() if line.startswith("EPOCH ")]
 
 
-def test_killed_training_resumes_without_losing_or_repeating_epochs(data_dir, tmp_path):
+@pytest.mark.parametrize("optimizer", ["sgd", "muon"])
+def test_killed_training_resumes_without_losing_or_repeating_epochs(data_dir, tmp_path, optimizer):
+    config = {**CONFIG, "train": {**CONFIG["train"], "optimizer": optimizer}}
     workdir = tmp_path / "work"
     checkpoint_dir = workdir / "runs" / "resume-test" / "checkpoints"
     log_path = tmp_path / "first.log"
@@ -62,7 +68,7 @@ def test_killed_training_resumes_without_losing_or_repeating_epochs(data_dir, tm
     # First attempt: pauses after every epoch so the kill lands mid-run, after >= 1 checkpoint.
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            worker_command(data_dir, workdir, "--epoch-sleep", "5"),
+            worker_command(data_dir, workdir, "--epoch-sleep", "5", config=config),
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
@@ -90,7 +96,7 @@ def test_killed_training_resumes_without_losing_or_repeating_epochs(data_dir, tm
 
     # Second attempt: the same command resumes after the last checkpointed epoch.
     completed = subprocess.run(
-        worker_command(data_dir, workdir),
+        worker_command(data_dir, workdir, config=config),
         capture_output=True,
         text=True,
         timeout=300,
@@ -123,6 +129,14 @@ def test_killed_training_resumes_without_losing_or_repeating_epochs(data_dir, tm
     assert not list(checkpoint_dir.glob(".tmp-*"))
     names = {path.name for path in checkpoint_dir.glob("epoch-*")}
     assert names == {name for entry in index.entries for name in (entry.model_path, entry.eval_weights_path)}
+
+    # The resumed run trained with the requested optimizer, and checkpointed its state again.
+    import keras
+
+    import cifar.train  # noqa: F401  Registers the optimizers and the loss before deserializing.
+
+    saved = keras.models.load_model(checkpoint_dir / index.latest.model_path)
+    assert type(saved.optimizer).__name__ == {"sgd": "GroupedSGD", "muon": "ConvMuon"}[optimizer]
 
 
 def test_epochs_checkpointed_but_not_reported_are_backfilled_once(data_dir, tmp_path, monkeypatch):
