@@ -161,6 +161,13 @@ class TrainConfig(Section):
     whitening_bias_epochs: float | None = Field(
         None, gt=0, description="Epochs the fast net's whitening bias trains before it freezes (airbench: 3)."
     )
+    whitening_bias_learning_rate_multiplier: float = Field(
+        1.0,
+        gt=0,
+        le=1000,
+        description="Learning-rate multiplier of the fast net's whitening bias (airbench94: 1; airbench94_muon: "
+        "that of the batch-norm biases).",
+    )
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     ema_decay: float | None = Field(None, gt=0, lt=1, description="Weight EMA decay; None disables EMA.")
     augment: bool = True
@@ -170,6 +177,15 @@ class TrainConfig(Section):
     padding_mode: Literal["zeros", "reflect"] = Field("zeros", description="How the crop padding is filled.")
     flip: Literal["random", "alternating", "none"] = Field(
         "random", description="random: p=0.5 per image and epoch; alternating: airbench's every-other-epoch flip."
+    )
+    brightness_jitter: float = Field(
+        0.0, ge=0, le=2, description="Largest random brightness shift per image, in pixel standard deviations; 0 = off."
+    )
+    contrast_jitter: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Largest random contrast change per image, a fraction (0.1: x0.9 to x1.1); 0 = off.",
     )
     cache: bool = Field(True, description="Cache decoded uint8 examples in memory.")
     shuffle_buffer: int = Field(10_000, ge=1)

@@ -25,6 +25,7 @@ import tensorflow as tf
 from cifar.data.manifest import IMAGE_SHAPE, Manifest, load_manifest
 
 PAD_PIXELS = 4  # Pad-and-crop shift for 32x32 models (the ResNet paper's augmentation).
+JITTER_SEED_SALT = 1  # Derives the colour jitter's seeds from a batch's (seed, step), apart from the crops'.
 FEATURES = {"image": tf.io.FixedLenFeature([], tf.string), "label": tf.io.FixedLenFeature([], tf.int64)}
 
 
@@ -83,6 +84,27 @@ def random_crop_flip(
     # Per-example crops by index grids: rows, then columns.
     images = tf.gather(images, rows, axis=1, batch_dims=1)  # (B, size, W0, C)
     return tf.gather(images, columns, axis=2, batch_dims=1)  # (B, size, size, C)
+
+
+def color_jitter(
+    images: tf.Tensor, seed: tf.Tensor, *, mean: list[float], std: list[float], brightness: float, contrast: float
+) -> tf.Tensor:
+    """Random brightness and contrast per image (the hiverge CIFAR-10 record's jitter), uint8 in and out.
+
+    In the model's normalised units x = (pixel / 255 - mean) / std, each image becomes
+    (x + b) * c with b ~ U(-brightness, brightness) and c ~ U(1 - contrast, 1 + contrast): a shift
+    of up to `brightness` standard deviations, then a stretch away from (or toward) the channel
+    mean. Back on the 0..255 scale the result is rounded and clipped, which only touches pixels
+    already near black or white. `seed` is a stateless seed (shape (2,)).
+    """
+    batch = tf.shape(images)[0]
+    seeds = tf.random.experimental.stateless_split(seed, 2)
+    shifts = tf.random.stateless_uniform([batch, 1, 1, 1], seeds[0], -brightness, brightness)
+    scales = tf.random.stateless_uniform([batch, 1, 1, 1], seeds[1], 1.0 - contrast, 1.0 + contrast)
+    centre = 255.0 * tf.constant(mean, tf.float32)  # (3,): the channel means in pixel levels.
+    spread = 255.0 * tf.constant(std, tf.float32)
+    pixels = centre + (tf.cast(images, tf.float32) - centre + shifts * spread) * scales
+    return tf.cast(tf.clip_by_value(tf.round(pixels), 0.0, 255.0), tf.uint8)
 
 
 def alternating_flips(serialized: tf.Tensor, seed: int, epoch: tf.Tensor) -> tf.Tensor:
@@ -168,6 +190,8 @@ def make_train_dataset(
     padding_mode: str = "zeros",
     flip: str = "random",
     steps_per_epoch: int | None = None,
+    brightness_jitter: float = 0.0,
+    contrast_jitter: float = 0.0,
 ) -> tf.data.Dataset:
     """An endless stream of shuffled, augmented GLOBAL batches from the training splits.
 
@@ -175,6 +199,8 @@ def make_train_dataset(
     does not replay the first epochs' crops and order. `crop_padding` (None = `PAD_PIXELS` for
     32x32 inputs, 0 for smaller crops) and `padding_mode` set the random translation; `flip` is
     "random", "alternating" (needs `steps_per_epoch` to know the epoch of a step) or "none".
+    `brightness_jitter` and `contrast_jitter` (0 = off) are `color_jitter`'s ranges, in standard
+    deviations of the training pixels and as a fraction.
     """
     if flip not in ("random", "alternating", "none"):
         raise ValueError(f"flip must be 'random', 'alternating' or 'none', got {flip!r}")
@@ -183,6 +209,7 @@ def make_train_dataset(
     manifest = load_manifest(data_dir)
     paths = split_paths(manifest, data_dir, splits)
     pad = (PAD_PIXELS if image_size == IMAGE_SHAPE[0] else 0) if crop_padding is None else crop_padding
+    jitter = {"mean": manifest.mean, "std": manifest.std, "brightness": brightness_jitter, "contrast": contrast_jitter}
     shuffle_seed = seed + 1_000_003 * start_step
     dataset = _records(paths, deterministic=deterministic, shuffle_files_seed=shuffle_seed)
     if cache:
@@ -202,6 +229,9 @@ def make_train_dataset(
             elif flip == "none":
                 flips = tf.zeros_like(labels)
             images = random_crop_flip(images, image_size, pad, batch_seed, padding_mode=padding_mode, flips=flips)
+            if brightness_jitter or contrast_jitter:
+                jitter_seed = tf.random.experimental.stateless_fold_in(batch_seed, JITTER_SEED_SALT)
+                images = color_jitter(images, jitter_seed, **jitter)
         elif image_size != IMAGE_SHAPE[0]:
             images = center_crop(images, image_size)
         return images, labels

@@ -130,14 +130,16 @@ def add_weight_decay(
     *,
     decay_biases: bool = False,
     bias_multiplier: float = 1.0,
+    whitening_bias_multiplier: float = 1.0,
     decay_filters: bool = True,
 ) -> list[str]:
     """Puts an L2 penalty (gradient `weight_decay * w`) on every conv/dense kernel; returns their paths.
 
     With `decay_biases` every other trainable variable (biases, batch-norm beta/gamma) is decayed
-    too, by `weight_decay / multiplier` where its learning rate is `multiplier` times the base: the
-    product of rate and decay, i.e. how much of the weight each step removes, is then the same for
-    every parameter (airbench's parameterisation). `decay_filters=False` leaves the convolution
+    too, by `weight_decay / multiplier` where its learning rate is `multiplier` times the base
+    (`bias_multiplier` for batch-norm biases, `whitening_bias_multiplier` for the fast net's
+    whitening bias): the product of rate and decay, i.e. how much of the weight each step removes,
+    is then the same for every parameter (airbench's parameterisation). `decay_filters=False` leaves the convolution
     filters alone: Muon renormalises them every step, and a penalty's gradient would only bend the
     direction it orthogonalises.
     """
@@ -145,6 +147,7 @@ def add_weight_decay(
         return []
     regularizer = keras.regularizers.L2(weight_decay / 2.0)
     bias_regularizer = keras.regularizers.L2(weight_decay / 2.0 / bias_multiplier)
+    whitening_bias_regularizer = keras.regularizers.L2(weight_decay / 2.0 / whitening_bias_multiplier)
     decayed = []
     for variable in model.trainable_variables:
         if not decay_filters and is_conv_filter(variable):
@@ -153,8 +156,12 @@ def add_weight_decay(
         if variable.name.endswith("kernel"):
             variable.regularizer = regularizer
         elif decay_biases:
-            is_batch_norm_bias = re.search(BATCH_NORM_BIAS_PATTERN, variable.path) is not None
-            variable.regularizer = bias_regularizer if is_batch_norm_bias else regularizer
+            if re.search(BATCH_NORM_BIAS_PATTERN, variable.path):
+                variable.regularizer = bias_regularizer
+            elif re.search(WHITENING_BIAS_PATTERN, variable.path):
+                variable.regularizer = whitening_bias_regularizer
+            else:
+                variable.regularizer = regularizer
         else:
             continue
         decayed.append(variable.path)
@@ -169,6 +176,8 @@ def make_optimizer(config: PipelineConfig, steps_per_epoch: int) -> GroupedSGD:
     multipliers = {}
     if train.bias_learning_rate_multiplier != 1.0:
         multipliers[BATCH_NORM_BIAS_PATTERN] = train.bias_learning_rate_multiplier
+    if train.whitening_bias_learning_rate_multiplier != 1.0:
+        multipliers[WHITENING_BIAS_PATTERN] = train.whitening_bias_learning_rate_multiplier
     stops = {}
     if train.whitening_bias_epochs is not None:
         stops[WHITENING_BIAS_PATTERN] = int(round(train.whitening_bias_epochs * steps_per_epoch))
@@ -346,6 +355,7 @@ def _build_model(job: TrainingJob, strategy, jit_compile: bool, checkpoint: Path
             train.weight_decay,
             decay_biases=train.decay_biases,
             bias_multiplier=train.bias_learning_rate_multiplier,
+            whitening_bias_multiplier=train.whitening_bias_learning_rate_multiplier,
             decay_filters=train.optimizer != "muon",
         )
         compile_model(model, job.config, job.steps_per_epoch, jit_compile)
@@ -440,12 +450,24 @@ def _callbacks(
     return callbacks
 
 
+# The training fields `make_train_dataset` takes as they are.
+AUGMENTATION_FIELDS = {
+    "augment",
+    "shuffle_buffer",
+    "crop_padding",
+    "padding_mode",
+    "flip",
+    "brightness_jitter",
+    "contrast_jitter",
+}
+
+
 def _fit(job: TrainingJob, model: keras.Model, initial_epoch: int, callbacks: list, run_id: str | None) -> None:
     """model.fit inside the MLflow run (for system metrics) on the chief; plain fit elsewhere."""
     train = job.train
     train_splits, validation_splits = training_splits(job.config, job.manifest)
     shared = {"batch_size": train.batch_size, "image_size": input_size(train.model), "cache": train.cache}
-    augmentation = train.model_dump(include={"augment", "shuffle_buffer", "crop_padding", "padding_mode", "flip"})
+    augmentation = train.model_dump(include=AUGMENTATION_FIELDS)
     # Multi-worker element sharding needs the same element order on every worker.
     order = {"seed": job.config.seed, "deterministic": train.deterministic or job.plan.num_workers > 1}
     steps = {"start_step": initial_epoch * job.steps_per_epoch, "steps_per_epoch": job.steps_per_epoch}

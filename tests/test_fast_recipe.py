@@ -17,7 +17,7 @@ from cifar.callbacks import Lookahead
 from cifar.config import DataConfig, TrainConfig, make_config
 from cifar.data.prepare import prepare_data
 from cifar.evaluate import translated, tta_logits
-from cifar.input_pipeline import alternating_flips, make_train_dataset, random_crop_flip
+from cifar.input_pipeline import alternating_flips, color_jitter, make_train_dataset, random_crop_flip
 from cifar.optimizers import GroupedSGD
 from cifar.train import add_weight_decay, make_optimizer, train
 
@@ -104,6 +104,23 @@ def test_decaying_biases_keeps_rate_times_decay_equal_for_every_parameter():
     assert len(decayed) == 1 and decayed[0].endswith("dense/kernel")
 
 
+def test_the_whitening_bias_can_train_at_its_own_rate_with_decay_to_match():
+    inputs = keras.Input((4, 4, 3))
+    whitened = keras.layers.Conv2D(2, 2, name="whitening")(inputs)  # Its bias's path is "whitening/bias".
+    model = keras.Model(inputs, keras.layers.BatchNormalization(scale=False, name="bn")(whitened))
+    add_weight_decay(model, 1e-3, decay_biases=True, bias_multiplier=64.0, whitening_bias_multiplier=16.0)
+    coefficients = {variable.path: variable.regularizer.l2 for variable in model.trainable_variables}
+    assert coefficients["whitening/bias"] == pytest.approx(5e-4 / 16) and coefficients["bn/beta"] == pytest.approx(
+        5e-4 / 64
+    )
+    config = make_config("fast-sgd", {"train": {"whitening_bias_learning_rate_multiplier": 16.0}})
+    optimizer = make_optimizer(config, steps_per_epoch=48)
+    assert sorted(optimizer.learning_rate_multipliers.values()) == [16.0, 64.0]
+    assert make_optimizer(make_config("fast-sgd"), steps_per_epoch=48).learning_rate_multipliers == {
+        r"(^|/)beta$": 64.0
+    }
+
+
 def test_lookahead_blends_on_its_schedule_and_ends_on_the_slow_weights():
     lookahead = Lookahead(every=5, steps_per_epoch=10, total_steps=100)
     assert lookahead.decay_at(0) == 0.0 and lookahead.decay_at(25) == 0.0  # Starts at 30% of the run.
@@ -147,6 +164,31 @@ def test_reflect_padded_crops_never_show_zero_borders():
     assert (reflect == 200).all()  # ...which reflection fills with image pixels.
     with pytest.raises(ValueError, match="padding_mode"):
         random_crop_flip(images, 8, 2, tf.constant([5, 6], tf.int64), padding_mode="wrap")
+
+
+def test_color_jitter_shifts_and_stretches_each_image_about_the_channel_means():
+    images = tf.constant(np.random.default_rng(0).integers(80, 176, (64, 4, 4, 3)), tf.uint8)
+    pixels = images.numpy().astype(np.float64)
+    statistics = {"mean": [0.5, 0.45, 0.4], "std": [0.25, 0.24, 0.26]}
+    centre, spread = 255 * np.array(statistics["mean"]), 255 * np.array(statistics["std"])
+    seed = tf.constant([1, 2], tf.int64)
+    unchanged = color_jitter(images, seed, **statistics, brightness=0.0, contrast=0.0)
+    np.testing.assert_array_equal(unchanged.numpy(), images.numpy())
+
+    # Brightness: one shift per image, in standard deviations of each channel, within the range.
+    shifted = color_jitter(images, seed, **statistics, brightness=0.2, contrast=0.0).numpy()
+    shifts = (shifted - pixels) / spread  # (B, H, W, C), normalised units.
+    per_image = shifts.mean(axis=(1, 2, 3))
+    assert np.abs(shifts - per_image[:, None, None, None]).max() < 0.02  # Rounding to whole pixel levels.
+    assert np.abs(per_image).max() <= 0.2 + 0.01 and per_image.std() > 0.05  # Each image its own draw.
+
+    # Contrast: one factor per image, stretching away from (or toward) the channel means.
+    stretched = color_jitter(images, seed, **statistics, brightness=0.0, contrast=0.13).numpy()
+    away = np.abs(pixels - centre) > 20
+    factors = (stretched - centre)[away] / (pixels - centre)[away]
+    assert factors.min() > 0.85 and factors.max() < 1.15 and factors.std() > 0.02
+    again = color_jitter(images, seed, **statistics, brightness=0.2, contrast=0.13).numpy()
+    np.testing.assert_array_equal(again, color_jitter(images, seed, **statistics, brightness=0.2, contrast=0.13))
 
 
 def test_alternating_flip_pipeline_shows_each_image_both_ways_in_two_epochs(data_dir):
