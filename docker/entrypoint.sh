@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Entry point of the cifar image.
 #
-#   worker [ARGS...]   create the work pool and the `training` concurrency limit if missing, register
-#                      every deployment in prefect.yaml, then
-#                      `prefect worker start --pool $CIFAR_WORK_POOL --with-healthcheck ARGS...`
-#   anything else      run as given: `python flows/pipeline.py ...`, `prefect ...`, `bash`
+#   worker [ARGS...]   create what the worker needs on the server when missing: the work pool, the
+#                      `training` concurrency limit and the automation that marks flow runs whose
+#                      heartbeats stopped as CRASHED; register every deployment in prefect.yaml; then
+#                      `prefect worker start --pool $CIFAR_WORK_POOL --with-healthcheck [--limit
+#                      $CIFAR_WORKER_LIMIT] ARGS...`
+#   anything else      run as given: `python flows/pipeline.py ...`, `prefect ...`, `mlflow ...`, `bash`
 #
 # Needs PREFECT_API_URL (and MLFLOW_TRACKING_URI for a tracking server); docker/compose.yaml sets both.
 set -euo pipefail
 
 pool=${CIFAR_WORK_POOL:-cifar-process}
+zombie_automation="cifar: crash flow runs whose heartbeats stopped"
 
 if [[ ${1:-worker} != worker ]]; then
     exec "$@"
@@ -25,8 +28,38 @@ fi
 if ! prefect concurrency-limit inspect training >/dev/null 2>&1; then
     prefect concurrency-limit create training 1 >/dev/null || prefect concurrency-limit inspect training >/dev/null
 fi
+# A flow run whose process dies with its container (killed, evicted, out of memory, the machine lost)
+# reports nothing more: without this it would stay RUNNING forever. Every flow run sends a heartbeat
+# event every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (30 in docker/compose.yaml); a run with no
+# heartbeat and no final state for 90 s is marked CRASHED, and a new run of it resumes from its last
+# checkpoint. (Prefect's documented recipe, "Detect zombie flows"; `Pruned` is our search's final
+# state name for a pruned trial, a Completed state.)
+if ! prefect automation inspect "$zombie_automation" >/dev/null 2>&1; then
+    prefect automation create --from-json "$(cat <<JSON
+{
+  "name": "$zombie_automation",
+  "description": "Marks a flow run CRASHED when its heartbeats stop for 90 s before it reaches a final state.",
+  "trigger": {
+    "type": "event",
+    "posture": "Proactive",
+    "after": ["prefect.flow-run.heartbeat"],
+    "expect": ["prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+               "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed", "prefect.flow-run.Pruned"],
+    "match": {"prefect.resource.id": ["prefect.flow-run.*"]},
+    "for_each": ["prefect.resource.id"],
+    "threshold": 1,
+    "within": 90
+  },
+  "actions": [{"type": "change-flow-run-state", "state": "CRASHED",
+               "message": "No heartbeat for 90 s: the flow run's process is gone (container killed or lost)."}]
+}
+JSON
+)" >/dev/null || prefect automation inspect "$zombie_automation" >/dev/null
+fi
 prefect --no-prompt deploy --all
 # prefect.yaml's pull step starts each flow run in "{{ $PWD }}" as the worker sees it: this directory
 # (the image's WORKDIR, /app), so the flows' `./workdir` is the `workdir` volume.
 export PWD
-exec prefect worker start --pool "$pool" --with-healthcheck "$@"
+# CIFAR_WORKER_LIMIT=N: at most N flow runs at once in this worker (1 when each worker owns one device).
+# Empty (the default): no limit, so a single worker can run a search and its trials side by side.
+exec prefect worker start --pool "$pool" --with-healthcheck ${CIFAR_WORKER_LIMIT:+--limit "$CIFAR_WORKER_LIMIT"} "$@"

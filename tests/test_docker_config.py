@@ -484,7 +484,12 @@ def test_image_commands_exist_in_the_image(compose):
         entrypoint = effective(lineage, "ENTRYPOINT")
         if entrypoint and entrypoint[0] == "cifar-entrypoint":
             script = (DOCKER_DIR / "entrypoint.sh").read_text(encoding="utf-8")
-            assert command == ["worker"] and "worker" in script, name
+            # `worker` is the entry point's own command; anything else it runs as given (`exec "$@"`).
+            assert 'exec "$@"' in script, name
+            if command == ["worker"]:
+                assert "worker" in script, name
+            else:
+                assert command and command[0] in scripts, f"{name}: {command} is not an installed program"
         else:
             assert command and command[0] in scripts, f"{name}: {command} is not an installed program"
 
@@ -573,3 +578,76 @@ def test_deployment_entrypoints_are_in_the_worker_images():
                 f"{dockerfile} does not copy {path} ({deployment['name']})"
             )
             assert not ignored_by_docker(path), path
+
+
+def test_build_args_are_declared_and_bases_can_be_replaced(compose):
+    """Every compose build arg is an ARG of its Dockerfile; the bases default to the official images."""
+    for name, service, dockerfile, stages, _ in built_services(compose):
+        text = dockerfile.read_text(encoding="utf-8")
+        declared = set(re.findall(r"^ARG\s+([A-Za-z_][A-Za-z0-9_]*)", text, flags=re.MULTILINE))
+        assert set(service["build"].get("args") or {}) <= declared, f"{name}: undeclared build args"
+        assert stages[0].parent == "${PYTHON_IMAGE}", f"{dockerfile.name}: the base must be the PYTHON_IMAGE argument"
+        assert "ARG PYTHON_IMAGE=python:${PYTHON_VERSION}-slim-bookworm" in text
+    raw = yaml.safe_load(COMPOSE_PATH.read_text(encoding="utf-8"))["services"]
+    assert raw["postgres"]["image"] == "${CIFAR_POSTGRES_IMAGE:-postgres:15-bookworm}"
+    documented = read_env_file(ENV_EXAMPLE_PATH)
+    assert documented["CIFAR_PYTHON_IMAGE"] == "python:3.11-slim-bookworm"
+    assert documented["CIFAR_POSTGRES_IMAGE"] == "postgres:15-bookworm"
+
+
+def test_pip_trusts_a_ca_bundle_only_through_a_build_secret():
+    """Each pip step may read the `ca` secret (a proxy's CA bundle); no bundle is copied or set in the image."""
+    for dockerfile in sorted(DOCKER_DIR.glob("Dockerfile*")):
+        stages = parse_dockerfile(dockerfile)
+        for stage in stages:
+            for run in stage.all("RUN"):
+                if "pip install" in run:
+                    assert run.startswith("--mount=type=secret,id=ca,target=/run/secrets/ca "), (dockerfile.name, run)
+                    assert "PIP_CERT=/run/secrets/ca" in run
+            for value in stage.all("ENV"):
+                assert "PIP_CERT" not in value and "SSL_CERT_FILE" not in value and "REQUESTS_CA_BUNDLE" not in value
+        for sources, _ in copy_instructions(stages):
+            assert not any(source.endswith((".crt", ".pem")) for source in sources), dockerfile.name
+
+
+def test_crashed_flow_runs_are_detected_by_heartbeats(compose):
+    """Workers' flow runs send heartbeats; the entry point's automation marks runs whose heartbeats stop CRASHED."""
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    frequencies = set()
+    for name in ("worker", "worker-gpu"):
+        environment = environment_of(compose["services"][name])
+        frequencies.add(int(environment["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]))
+    [frequency] = frequencies
+    script = (DOCKER_DIR / "entrypoint.sh").read_text(encoding="utf-8")
+    name = re.search(r'^zombie_automation="([^"]+)"', script, flags=re.MULTILINE).group(1)
+    body = re.search(r"<<JSON\n(.*?)\nJSON\n", script, flags=re.DOTALL).group(1).replace("$zombie_automation", name)
+    automation = AutomationCore.model_validate(json.loads(body))
+    trigger = automation.trigger
+    assert isinstance(trigger, EventTrigger) and trigger.posture == Posture.Proactive
+    assert trigger.after == {"prefect.flow-run.heartbeat"} and "prefect.flow-run.heartbeat" in trigger.expect
+    # Every final state ends the watch, the search's `Pruned` (a Completed state with its own name) included.
+    assert {f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed", "Pruned")} <= (
+        trigger.expect
+    )
+    assert trigger.for_each == {"prefect.resource.id"}
+    assert trigger.within.total_seconds() >= 2 * frequency, "one late heartbeat must not crash a healthy run"
+    [action] = automation.actions
+    assert action.type == "change-flow-run-state" and action.state.value == "CRASHED"
+    assert 'prefect automation inspect "$zombie_automation"' in script  # Created once, not on every start.
+
+
+def test_postgres_standin_keeps_the_official_image_contract(compose):
+    """The stand-in built where postgres:15-bookworm cannot be pulled reads what compose gives the official one."""
+    standin = (DOCKER_DIR / "standins" / "postgres.Dockerfile").read_text(encoding="utf-8")
+    entrypoint = (DOCKER_DIR / "standins" / "postgres-entrypoint.sh").read_text(encoding="utf-8")
+    service = compose["services"]["postgres"]
+    data_volume = next(volume for volume in service["volumes"] if not volume.startswith("."))
+    assert re.search(rf"PGDATA={re.escape(data_volume.split(':')[1])}\b", standin)
+    for variable in environment_of(service):
+        if variable.startswith("POSTGRES_"):
+            assert variable in entrypoint, f"the stand-in ignores {variable}"
+    assert f"{INITDB_DIR}/*" in entrypoint and "--encoding=UTF8 --locale=C.UTF-8" in entrypoint
+    assert "setpriv --reuid=postgres" in entrypoint  # The server never runs as root.
+    check = " ".join(service["healthcheck"]["test"])
+    assert check.split()[1] == "pg_isready"
