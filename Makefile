@@ -16,7 +16,7 @@ MODEL ?= models:/cifar10@champion
 # Framework start-up lines and offline telemetry stay out of the logs; CIFAR_VERBOSE=1 lets them through.
 QUIET := $(if $(filter 1,$(CIFAR_VERBOSE)),,TF_CPP_MIN_LOG_LEVEL=2 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false)
 
-.PHONY: setup run test lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check
+.PHONY: setup run test lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check stack-check
 
 setup: $(VENV)/.installed
 
@@ -90,6 +90,12 @@ OUT ?= docs/images
 ui-check: setup
 	PLAYWRIGHT_SPEC=playwright==1.65.2 bash scripts/install_browser.sh
 	$(PY) scripts/ui_check.py --out $(OUT) $(ARGS)
+
+# docker/compose.yaml end to end (scripts/stack_check.py): builds the images, brings the stack up as a
+# throwaway compose project, checks it through the containers and the servers' APIs, then removes it.
+# Installs Podman when missing; ENGINE=docker uses Docker; GPU=1 also builds the CUDA image.
+stack-check: setup
+	$(PY) scripts/stack_check.py
 
 clean:
 	rm -rf $(VENV) workdir .pytest_cache
