@@ -6,8 +6,8 @@
 
 What it does, in order, and what each line of its closing table means:
 
-1. Tools: podman, runc, netavark, aardvark-dns, iptables and mmdebstrap from apt when missing, and
-   podman-compose (PyPI) in its own venv, `.venv/stack-tools`. Podman's settings are the project's
+1. Tools: podman, runc, netavark, aardvark-dns, iptables, catatonit and mmdebstrap from apt when missing,
+   and podman-compose (PyPI) in its own venv, `.venv/stack-tools`. Podman's settings are the project's
    (docker/podman/containers.conf, through CONTAINERS_CONF); nothing in /etc changes.
 2. Base images: the official ones when they can be pulled, else stand-ins built from Debian's packages
    (scripts/standin_images.sh) under the same contract (BASES=official|standin|auto, default auto).
@@ -69,7 +69,7 @@ PODMAN_CONF = DOCKER_DIR / "podman" / "containers.conf"
 STANDIN_SCRIPT = REPO_ROOT / "scripts" / "standin_images.sh"
 TOOLS_VENV = REPO_ROOT / ".venv" / "stack-tools"
 PODMAN_COMPOSE_SPEC = "podman-compose==1.6.0"
-APT_PACKAGES = ("podman", "runc", "netavark", "aardvark-dns", "iptables", "mmdebstrap")
+APT_PACKAGES = ("podman", "runc", "netavark", "aardvark-dns", "iptables", "catatonit", "mmdebstrap")
 
 OFFICIAL_BASES = {
     "CIFAR_PYTHON_IMAGE": "docker.io/library/python:3.11-slim-bookworm",
