@@ -4,7 +4,7 @@
 down to every stage. Prefect renders it as the flow's parameter form. Presets override only the
 fields that differ from the defaults; an invalid value fails early with an error naming the field.
 
-Each section belongs to one stage: `data`, `train`, `evaluate`, `export`, `tracking`.
+Each section belongs to one stage: `data`, `validate`, `train`, `evaluate`, `export`, `tracking`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import copy
 import os
 import re
 import urllib.parse
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
@@ -102,6 +103,20 @@ class DataConfig(Section):
     test_shards: int = Field(2, ge=1, le=1024)
     download_retries: int = Field(5, ge=0, le=50, description="Retries of a failed download request.")
     expect_official_counts: bool = Field(True, description="Require 50,000 train / 10,000 test images.")
+    snapshot: str = Field(
+        "latest",
+        pattern=r"^(latest|base|[0-9a-f]{16})$",
+        description="Data snapshot to train on: latest (the archive plus every addition ingested into the "
+        "workdir), base (the archive alone), or a snapshot key from `python flows/ingest.py --list`.",
+    )
+    near_duplicate_similarity: float = Field(
+        0.97,
+        gt=0.5,
+        le=1,
+        description="Two images are near-duplicates at or above this similarity (shift-, crop-, colour- and "
+        "JPEG-robust; cifar.data.neardup): such additions of test images are kept out of training, and test "
+        "images with one in the training data are left out of test_accuracy_deduplicated.",
+    )
 
     @field_validator("sha256", "md5")
     @classmethod
@@ -115,6 +130,57 @@ class DataConfig(Section):
         if self.sha256 is None:
             return OFFICIAL_MD5_BY_URL.get(self.source)
         return None
+
+
+class ValidateConfig(Section):
+    """The data validation gate before any training: each check's threshold (cifar.data.checks).
+
+    New data (the examples of a snapshot that its reference lacks: the champion's training data, else
+    the base archive) is checked for schema problems, size, label and image-statistics drift, exact
+    duplicates and leakage of test images. A failed check stops the run before training unless
+    `enforce` is false, which records the report and goes on.
+    """
+
+    enforce: bool = Field(True, description="Stop the run when a check fails; false records the report and goes on.")
+    max_invalid_files: int = Field(
+        0,
+        ge=0,
+        description="Files of an addition that cannot be used (undecodable, truncated, wrong size, unknown class).",
+    )
+    max_added_ratio: float = Field(
+        1.0, gt=0, le=1000, description="Examples added, at most this many times the reference's training examples."
+    )
+    max_label_drift: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="L-infinity distance between the class frequencies of the new data and the reference.",
+    )
+    max_image_drift: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Jensen-Shannon divergence (base 2, 0..1) of per-image brightness, contrast and channel-mean "
+        "histograms, new data vs reference; the worst feature counts.",
+    )
+    min_examples_for_drift: int = Field(
+        200,
+        ge=1,
+        le=1_000_000,
+        description="Fewer new examples than this: drift is reported but not judged (too noisy).",
+    )
+    max_duplicate_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Share of new examples that exactly duplicate another (they are dropped either way).",
+    )
+    max_leakage_fraction: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Share of new examples that are near-duplicates of test images (kept out either way).",
+    )
 
 
 class TrainConfig(Section):
@@ -282,12 +348,18 @@ class TrialLink(Section):
     number: int = Field(ge=0, description="The trial's number in the study.")
 
 
+# The section `validate` shadows pydantic's deprecated `BaseModel.validate` classmethod, which nothing here
+# calls; the field is what `--set validate.enforce=false` names, so it keeps that name.
+warnings.filterwarnings("ignore", message='Field name "validate" in ', category=UserWarning)
+
+
 class PipelineConfig(Section):
     """Everything a pipeline run needs, validated once and passed down."""
 
     preset: PresetName = Field("default", description="The named recipe every other field overrides.")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     data: DataConfig = DataConfig()
+    validate: ValidateConfig = ValidateConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     export: ExportConfig = ExportConfig()
@@ -297,7 +369,7 @@ class PipelineConfig(Section):
     def flat(self) -> dict[str, Any]:
         """Every field as `section.field` -> value, for logging as MLflow params."""
         flat: dict[str, Any] = {"preset": self.preset, "seed": self.seed}
-        for section in ("data", "train", "evaluate", "export", "tracking"):
+        for section in ("data", "validate", "train", "evaluate", "export", "tracking"):
             for key, value in getattr(self, section).model_dump().items():
                 flat[f"{section}.{key}"] = value
         return flat

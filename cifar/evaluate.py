@@ -2,6 +2,9 @@
 
 The checkpoint is chosen on validation accuracy (the index's `best_epoch`), never on test; with
 `evaluate.checkpoints == "all"` every kept checkpoint is scored as well, for the learning curve.
+Beside the test accuracy: `test_accuracy_deduplicated`, on the test images that have no
+near-duplicate in the training batches (the data stage lists them), and the accuracy on the
+`new_data` slice (the validation images of the snapshot's additions), when there is one.
 Each checkpoint is scored with its evaluation (EMA) weights. Models trained on crops (the tutorial
 CNN, 24x24) see the centre crop of each 32x32 test image, as the exported model does in its graph.
 
@@ -25,7 +28,7 @@ import numpy as np
 from cifar import failpoints, plots
 from cifar.checkpoints import CheckpointEntry, index_digest, load_eval_model, load_index, select_for_evaluation
 from cifar.config import PipelineConfig
-from cifar.data.manifest import IMAGE_SHAPE, NUM_CLASSES, load_manifest
+from cifar.data.manifest import IMAGE_SHAPE, NEW_DATA_SLICE, NUM_CLASSES, Manifest, load_manifest
 from cifar.io import atomic_write_bytes, atomic_write_json, read_json
 from cifar.results import EvaluationResult
 from cifar.reuse import evaluation_key
@@ -61,6 +64,25 @@ def load_split(data_dir: str | Path, split: str) -> tuple[np.ndarray, np.ndarray
     if len(labels_array) != expected:
         raise ValueError(f"{split} split has {len(labels_array)} examples, the manifest says {expected}")
     return images_array, labels_array
+
+
+def near_duplicate_test_images(data_dir: str | Path, manifest: Manifest) -> np.ndarray:
+    """Indices of the test images with a near-duplicate in the training batches (empty when none are listed)."""
+    import pyarrow.parquet as pq
+
+    if not manifest.near_duplicates_file:
+        return np.zeros(0, np.int64)
+    table = pq.read_table(Path(data_dir) / manifest.near_duplicates_file, columns=["test_index"])
+    return np.unique(table.column("test_index").to_numpy()).astype(np.int64)
+
+
+def slice_examples(data_dir: str | Path, manifest: Manifest, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(images, labels) of a named slice of a split (e.g. `new_data`), or None when the data has no such slice."""
+    info = manifest.slices.get(name)
+    if info is None or info.stop <= info.start:
+        return None
+    images, labels = load_split(data_dir, info.split)
+    return images[info.start : info.stop], labels[info.start : info.stop]
 
 
 def model_input_size(model) -> int:
@@ -234,6 +256,8 @@ def log_to_mlflow(
             values["test_accuracy_flip_tta"] = metrics["flip_tta_accuracy"]
         if metrics.get("tta_accuracy") is not None:
             values["test_accuracy_tta"] = metrics["tta_accuracy"]
+        values["test_accuracy_deduplicated"] = metrics.get("test_accuracy_deduplicated")
+        values["new_data_accuracy"] = metrics.get("new_data_accuracy")
         # Per-class precision and recall stay in evaluation/metrics.json: twenty more charts hide the ones compared.
         mlflow.log_metrics(finite_metrics(values), step=epoch)
         mlflow.set_tag("evaluation.epoch", str(epoch))
@@ -288,6 +312,11 @@ def evaluate(
     probabilities = best_outcome["probabilities"]
     predictions = probabilities.argmax(axis=1)
     matrix = confusion_matrix(labels, predictions, len(manifest.class_names))
+    # Test images without a near-duplicate in the training data: what the model does on unseen pictures.
+    unseen = np.ones(len(labels), bool)
+    unseen[near_duplicate_test_images(data_dir, manifest)] = False
+    deduplicated = score(probabilities[unseen], labels[unseen]) if unseen.any() else None
+    new_data = _new_data_score(data_dir, manifest, checkpoint_dir, chosen, settings.batch_size)
     metrics = {
         "epoch": chosen.epoch,
         "checkpoint": chosen.model_path,
@@ -298,6 +327,11 @@ def evaluate(
         "test_loss": best_outcome["loss"],
         "flip_tta_accuracy": best_outcome.get("flip_tta_accuracy"),
         "tta_accuracy": best_outcome.get("tta_accuracy"),
+        "test_accuracy_deduplicated": deduplicated["accuracy"] if deduplicated else None,
+        "deduplicated_examples": int(unseen.sum()),
+        "new_data_accuracy": new_data["accuracy"] if new_data else None,
+        "new_data_examples": new_data["examples"] if new_data else 0,
+        "new_data_trained_on": config.train.use_all_training_data,  # Then the slice was seen in training.
         "class_names": list(manifest.class_names),
         "per_class": per_class_metrics(matrix, manifest.class_names),
         "confusion_matrix": matrix.tolist(),
@@ -318,7 +352,19 @@ def evaluate(
         tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
         log_to_mlflow(tracking_uri, mlflow_run_id, chosen.epoch, metrics, per_checkpoint, output_dir)
 
-    summary = ("epoch", "test_accuracy", "test_loss", "flip_tta_accuracy", "tta_accuracy", "num_examples", "correct")
+    summary = (
+        "epoch",
+        "test_accuracy",
+        "test_loss",
+        "flip_tta_accuracy",
+        "tta_accuracy",
+        "num_examples",
+        "correct",
+        "test_accuracy_deduplicated",
+        "deduplicated_examples",
+        "new_data_accuracy",
+        "new_data_examples",
+    )
     result = EvaluationResult(
         key=key,
         **{name: metrics[name] for name in summary},
@@ -331,6 +377,18 @@ def evaluate(
     failpoints.reached("evaluate.scored")
     atomic_write_json(output_dir / RESULT_NAME, result.model_dump(exclude={"reused"}))
     return result
+
+
+def _new_data_score(
+    data_dir: str | Path, manifest: Manifest, checkpoint_dir: Path, entry: CheckpointEntry, batch_size: int
+) -> dict[str, Any] | None:
+    """Accuracy of the chosen checkpoint on the `new_data` slice, or None when the snapshot has no such images."""
+    examples = slice_examples(data_dir, manifest, NEW_DATA_SLICE)
+    if examples is None:
+        return None
+    images, labels = examples
+    outcome = evaluate_checkpoint(checkpoint_dir, entry, images, labels, batch_size=batch_size, flip_tta=False)
+    return {"accuracy": outcome["accuracy"], "examples": int(len(labels))}
 
 
 def find_evaluation(output_dir: str | Path, key: str) -> EvaluationResult | None:

@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import socket
+import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +41,32 @@ def exclusive(path: str | Path, what: str) -> Iterator[None]:
         finally:
             handle.truncate(0)
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_REENTRANT: dict[str, tuple[threading.RLock, list[int]]] = {}  # Lock path -> (thread lock, [depth]).
+_REENTRANT_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def reentrant(path: str | Path, what: str) -> Iterator[None]:
+    """`exclusive`, but a thread that already holds the lock at `path` may enter again (nested calls).
+
+    Other threads of the process wait on a thread lock first, then the outermost holder takes the
+    file lock that keeps other processes out.
+    """
+    key = str(Path(path).resolve())
+    with _REENTRANT_GUARD:
+        thread_lock, depth = _REENTRANT.setdefault(key, (threading.RLock(), [0]))
+    with thread_lock:
+        depth[0] += 1
+        try:
+            if depth[0] > 1:
+                yield
+            else:
+                with exclusive(path, what):
+                    yield
+        finally:
+            depth[0] -= 1
 
 
 def is_held(path: str | Path) -> bool:

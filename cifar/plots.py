@@ -72,3 +72,39 @@ def misclassified_grid_png(
         axes.set_title(f"{class_names[int(label)]}\n/ {class_names[int(prediction)]}", fontsize=7)
         axes.axis("off")
     return figure_png(figure)
+
+
+def near_duplicates_png(
+    groups: Sequence[tuple[str, Sequence[tuple[np.ndarray, np.ndarray, float]]]], title: str, columns: int = 6
+) -> bytes:
+    """A contact sheet of image pairs: per group a heading, then rows of (left | right) pairs and their similarity.
+
+    `groups` are (heading, [(left image, right image, similarity), ...]), so a person can judge a
+    threshold from the pairs just above and just below it. Drawn with PIL (a few milliseconds; a
+    matplotlib figure of this many images takes seconds).
+    """
+    from PIL import Image, ImageDraw
+
+    scale, gap, caption, heading = 3, 12, 14, 24  # Pixels: images shown 3x, so 32x32 becomes 96x96.
+    cell_width, cell_height = 2 * 32 * scale + 4, 32 * scale + caption
+    width = columns * (cell_width + gap) + gap
+    rows = [max(1, math.ceil(len(pairs) / columns)) for _, pairs in groups]
+    height = heading + sum(heading + count * (cell_height + gap) for count in rows) + gap
+    sheet = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(sheet)
+    draw.text((gap, 6), title, fill="black")
+    top = heading
+    for (text, pairs), count in zip(groups, rows):
+        draw.text((gap, top + 6), text if pairs else f"{text}: none", fill="black")
+        top += heading
+        for position, (left, right, similarity) in enumerate(pairs):
+            x = gap + (position % columns) * (cell_width + gap)
+            y = top + (position // columns) * (cell_height + gap)
+            pair = np.concatenate([left, np.full((32, 1, 3), 255, np.uint8), right], axis=1)  # (32, 65, 3)
+            shown = Image.fromarray(pair).resize((cell_width, 32 * scale), Image.Resampling.NEAREST)
+            sheet.paste(shown, (x, y))
+            draw.text((x, y + 32 * scale + 1), f"{similarity:.3f}", fill="black")
+        top += count * (cell_height + gap)
+    buffer = io.BytesIO()
+    sheet.save(buffer, format="PNG")
+    return buffer.getvalue()

@@ -27,6 +27,7 @@ import numpy as np
 from mlflow.pyfunc import PythonModel
 
 from cifar import failpoints, locks
+from cifar.champion import TrainedWith
 from cifar.compat import raw_input_signature
 from cifar.config import PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE
@@ -186,6 +187,7 @@ def register_and_promote(
     mlflow_run_id: str | None = None,
     tracking_uri: str | None = None,
     input_example: np.ndarray | None = None,
+    trained_with: TrainedWith | None = None,
 ) -> PromotionResult:
     """Logs and registers the exported model, then moves `champion` to it only if it passes the gate.
 
@@ -222,6 +224,7 @@ def register_and_promote(
                     "export_version": str(export_result.version),
                     "export_dir": export_result.export_dir,
                     "epoch": str(export_result.epoch),
+                    **(trained_with.tags() if trained_with is not None else {}),
                 }
                 number = register_version(client, model_name, model_info, tags)
                 failpoints.reached("register.registered")

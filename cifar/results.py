@@ -37,6 +37,25 @@ class DataResult(StageResult):
     manifest_path: str
     source_sha256: str
     counts: dict[str, int]  # Examples per split.
+    snapshot: str | None = None  # The data snapshot (cifar.data.snapshots) the directory holds.
+    additions: list[str] = []  # Its additions' digests.
+
+
+class ValidationResult(BaseModel):
+    """The data validation gate's verdict in a few values; the full report is the JSON at `report_path`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    passed: bool
+    enforce: bool
+    snapshot: str
+    reference: str
+    reference_reason: str
+    new_examples: int
+    failed: list[str]  # The names of the checks that failed.
+    summary: str  # One line: passed, or which checks failed and why.
+    report_path: str
+    metrics: dict[str, float]  # Every measured value, as logged to MLflow (`data_*`).
 
 
 class TrainResult(StageResult):
@@ -64,6 +83,11 @@ class EvaluationResult(StageResult):
     tta_accuracy: float | None = None  # Flip + 1-pixel translations (airbench's TTA level 2).
     num_examples: int
     correct: int  # Correctly classified test images: the exact count behind test_accuracy.
+    # On the test images with no near-duplicate in the training batches (cifar.data.neardup).
+    test_accuracy_deduplicated: float | None = None
+    deduplicated_examples: int | None = None
+    new_data_accuracy: float | None = None  # On the `new_data` slice (the additions' validation images).
+    new_data_examples: int = 0
     metrics_path: str
     predictions_path: str
     confusion_matrix_plot: str

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ STAGE_MODULES = {
     "evaluate": "cifar.evaluate",
     "export": "cifar.export",
     "register": "cifar.registry",
+    "analysis": "cifar.data.analysis",  # Not a stage: the per-part analysis the data stage and the gate keep.
 }
 # Training fields that do not change what is trained: how to get there, and what the folder is called.
 TRAIN_FIELDS_IGNORED = {"resume", "run_name"}
@@ -81,13 +83,17 @@ def module_closure(module: str) -> dict[str, Path]:
     return closure
 
 
-def code_version(stage: str) -> str:
-    """A hash of the source of every project module `stage` executes (their paths and bytes)."""
-    files = {
+def code_files(stage: str) -> dict[str, str]:
+    """Every project module `stage` executes: its path in the package -> the SHA-256 of its source."""
+    return {
         path.relative_to(PACKAGE_DIR).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
         for path in module_closure(STAGE_MODULES[stage]).values()
     }
-    return stable_hash(files, KEY_LENGTH)
+
+
+def code_version(stage: str) -> str:
+    """A hash of the source of every project module `stage` executes (their paths and bytes)."""
+    return stable_hash(code_files(stage), KEY_LENGTH)
 
 
 def stage_key(stage: str, **material: Any) -> str:
@@ -95,19 +101,31 @@ def stage_key(stage: str, **material: Any) -> str:
     return stable_hash({"stage": stage, "code": code_version(stage), **material}, KEY_LENGTH)
 
 
-def data_settings(data: DataConfig) -> dict[str, int]:
+def data_settings(data: DataConfig) -> dict[str, int | float]:
     """The data settings that shape the shards (recorded in the manifest)."""
     return {
         "validation_size": data.validation_size,
         "train_shards": data.train_shards,
         "validation_shards": data.validation_shards,
         "test_shards": data.test_shards,
+        "near_duplicate_similarity": data.near_duplicate_similarity,
     }
 
 
-def data_key(data: DataConfig, archive_sha256: str) -> str:
-    """The data stage: the archive's content, the shard settings, the format and the code."""
-    return stage_key("data", archive_sha256=archive_sha256, settings=data_settings(data), format=FORMAT_VERSION)
+def snapshot_key(base_sha256: str, additions: Iterable[str]) -> str:
+    """A data snapshot's identity: its base archive's SHA-256 and its additions' digests, in any order."""
+    return stable_hash({"base": base_sha256, "additions": sorted(set(additions))}, KEY_LENGTH)
+
+
+def data_key(data: DataConfig, archive_sha256: str, additions: Iterable[str] = ()) -> str:
+    """The data stage: the snapshot's content (archive and additions), the shard settings, the format and the code."""
+    return stage_key(
+        "data",
+        archive_sha256=archive_sha256,
+        additions=sorted(set(additions)),
+        settings=data_settings(data),
+        format=FORMAT_VERSION,
+    )
 
 
 def training_key(config: PipelineConfig, data_key: str) -> str:

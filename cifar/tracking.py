@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,8 +34,11 @@ COMPARED_COLUMNS = (
     "params.`train.model`",
     "params.`train.learning_rate`",
     "metrics.`test_accuracy`",
+    "metrics.`test_accuracy_deduplicated`",
     "metrics.`best_val_accuracy`",
     "metrics.`training_time_s`",
+    "metrics.`data_label_distribution`",
+    "metrics.`data_image_statistics`",
 )
 
 
@@ -266,8 +270,6 @@ def log_params(tracking_uri: str, run_id: str, params: dict) -> None:
 
 def log_epoch_metrics(tracking_uri: str, run_id: str, epoch: int, metrics: dict[str, float]) -> None:
     """One value per metric at step = epoch (1-based), in one request."""
-    import time
-
     from mlflow.entities import Metric
 
     timestamp = int(time.time() * 1000)
@@ -305,3 +307,36 @@ def manifest_dataset(manifest, data_dir: str | Path):
             warnings.simplefilter("ignore", UserWarning)
             source = resolve_dataset_source(location)
     return MetaDataset(source, name=Path(data_dir).name, digest=manifest.key, schema=schema)
+
+
+# --- Data validation: the gate's values on the pipeline's run, or on a run of their own when it fails. --
+
+
+def log_data_validation(tracking_uri: str, run_id: str, metrics: dict[str, float], report_path: str) -> None:
+    """The gate's measured values as single-value metrics, its verdict as a tag, its report as an artifact."""
+    from mlflow.entities import Metric
+
+    client = mlflow_client(tracking_uri)
+    timestamp = int(time.time() * 1000)
+    items = [Metric(key, value, timestamp, 0) for key, value in finite_metrics(metrics).items()]
+    client.log_batch(run_id, metrics=items)
+    client.set_tag(run_id, "data_validation", "passed" if metrics.get("data_passed") else "failed")
+    client.log_artifact(run_id, report_path, artifact_path="data_validation")
+
+
+def failed_validation_run(
+    tracking_uri: str,
+    workdir: str | Path,
+    config: PipelineConfig,
+    metrics: dict[str, float],
+    report_path: str,
+    reason: str,
+) -> str:
+    """A run of its own for a pipeline the gate stopped before training: params, the values, FAILED with the reason."""
+    run_id = create_run(
+        tracking_uri, workdir, config.tracking.experiment, human_run_name(config), {**source_tags(), "stage": "data"}
+    )
+    log_params(tracking_uri, run_id, config.flat())
+    log_data_validation(tracking_uri, run_id, metrics, report_path)
+    mark_failed(tracking_uri, run_id, reason)
+    return run_id

@@ -37,10 +37,11 @@ from cifar.io import atomic_write_json  # noqa: E402
 from cifar.preflight import check_request  # noqa: E402
 from tasks.artifacts import format_summary, mlflow_run_link, publish_report, write_summary  # noqa: E402
 from tasks.caching import result_storage  # noqa: E402
-from tasks.data import download_archive, prepare_dataset  # noqa: E402
+from tasks.data import download_archive, prepare_dataset, resolve_snapshot  # noqa: E402
 from tasks.evaluation import evaluate_model, export_model, register_model  # noqa: E402
 from tasks.search import finish_trial, start_trial  # noqa: E402
 from tasks.training import train_model  # noqa: E402
+from tasks.validation import log_validation, validate_data  # noqa: E402
 
 
 class Stages:
@@ -50,7 +51,9 @@ class Stages:
         self.storage = result_storage(workdir)
         self.states: dict[str, str] = {}
         self.download = self._bind(download_archive, refresh)
+        self.snapshot = self._bind(resolve_snapshot, refresh)
         self.prepare = self._bind(prepare_dataset, refresh)
+        self.validate = self._bind(validate_data, refresh)
         self.train = self._bind(train_model, refresh or fresh)  # Training from scratch never reuses a result.
         self.evaluate = self._bind(evaluate_model, refresh)
         self.export = self._bind(export_model, refresh)
@@ -79,6 +82,10 @@ EVALUATION_FIELDS = {
     "test_loss",
     "flip_tta_accuracy",
     "tta_accuracy",
+    "test_accuracy_deduplicated",
+    "deduplicated_examples",
+    "new_data_accuracy",
+    "new_data_examples",
     "metrics_path",
     "predictions_path",
 }
@@ -151,13 +158,17 @@ def cifar_pipeline(
         start_trial(config)
 
     archive = stages.download(config, workdir)
-    dataset = stages.prepare(config, archive, workdir)
+    snapshot = stages.snapshot(config, archive, workdir)
+    dataset = stages.prepare(config, archive, snapshot, workdir)
     results: dict[str, Any] = {"data": dataset}
     summary: dict[str, Any] = {"preset": config.preset, "until": until, "workdir": workdir}
     summary |= {"config": config.model_dump(mode="json"), "source": archive.source, "source_sha256": archive.sha256}
-    summary |= {"manifest": dataset.manifest_path, **dataset.model_dump(include={"data_dir", "counts"})}
+    summary |= {"manifest": dataset.manifest_path, **dataset.model_dump(include={"data_dir", "counts", "snapshot"})}
+    validation = stages.validate(config, archive, dataset, workdir)  # Raises, before training, when data fails.
+    summary["data_validation"] = validation.model_dump(exclude={"metrics"})
     if reaches(until, "train"):
         training = results["train"] = stages.train(config, dataset, workdir)
+        log_validation(validation, training)
         summary |= training.model_dump(exclude={"key", "reused"})
         summary |= mlflow_run_link(training.tracking_uri, training.mlflow_run_id)
         if config.trial is not None:  # The study learns the outcome; a pruned trial goes no further.
@@ -171,7 +182,7 @@ def cifar_pipeline(
         summary |= {"export_dir": export.export_dir, "export_version": export.version}
         summary["verified_accuracy"] = export.verified_accuracy
         if config.export.register_model:
-            promotion = results["register"] = stages.register(config, training, evaluation, export)
+            promotion = results["register"] = stages.register(config, dataset, training, evaluation, export)
             summary |= promotion.model_dump(exclude={"key", "reused", "test_accuracy", "reason"})
             summary["promotion_reason"] = promotion.reason
     summary["keys"] = {stage: result.key for stage, result in results.items()}

@@ -116,6 +116,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  data       {summary['data_dir']}  train/validation/test "
         f"{counts.get('train')}/{counts.get('validation')}/{counts.get('test')}{state('download', 'prepare')}",
     ]
+    if summary.get("data_validation"):
+        validation = summary["data_validation"]
+        lines.append(f"  validation snapshot {validation['snapshot']}: {validation['summary']}{state('validate-data')}")
     if "run_name" in summary:
         lines.append(
             f"  training   {summary['run_name']}: {summary['epochs_completed']} epochs, best epoch "
@@ -127,6 +130,10 @@ def format_summary(summary: dict[str, Any]) -> str:
             for key, name in (("flip_tta_accuracy", "flip TTA"), ("tta_accuracy", "flip+translate TTA"))
             if summary.get(key) is not None
         ]
+        if summary.get("test_accuracy_deduplicated") is not None:
+            tta.append(f"deduplicated {percent(summary['test_accuracy_deduplicated'])}")
+        if summary.get("new_data_accuracy") is not None:
+            tta.append(f"new data {percent(summary['new_data_accuracy'])} of {summary['new_data_examples']}")
         lines.append(
             f"  test       accuracy {percent(summary['test_accuracy'])}, loss {summary['test_loss']:.4f}"
             f"{''.join(', ' + item for item in tta)}{state('evaluate')}"
@@ -155,12 +162,19 @@ def report_markdown(summary: dict[str, Any]) -> str:
             "Examples (train/validation/test)",
             "/".join(str(summary.get("counts", {}).get(split, "-")) for split in ("train", "validation", "test")),
         ),
+        ("Data snapshot", summary.get("snapshot")),
+        ("Data validation", (summary.get("data_validation") or {}).get("summary")),
         ("Training run", _training_run(summary)),
         ("Epochs completed", summary.get("epochs_completed")),
         ("Validation accuracy (best epoch)", _percent(summary.get("val_accuracy"))),
         ("Test accuracy", _percent(summary.get("test_accuracy"))),
         ("Test accuracy with flip TTA", _percent(summary.get("flip_tta_accuracy"))),
         ("Test accuracy with flip + translate TTA", _percent(summary.get("tta_accuracy"))),
+        (
+            f"Test accuracy without near-duplicates of training images ({summary.get('deduplicated_examples')})",
+            _percent(summary.get("test_accuracy_deduplicated")),
+        ),
+        (f"New data accuracy ({summary.get('new_data_examples')} images)", _percent(summary.get("new_data_accuracy"))),
         ("Export", summary.get("export_dir")),
         ("Registered version", summary.get("registered_model_version")),
         ("Champion", summary.get("champion")),

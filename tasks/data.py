@@ -1,4 +1,4 @@
-"""Tasks of the data stage: fetch and verify the archive, then convert it into TFRecord shards."""
+"""Tasks of the data stage: verify the archive, pick the data snapshot, convert it into shards, then gate it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from prefect import task
 from cifar.config import PipelineConfig
 from cifar.data.download import fetch_archive
 from cifar.data.prepare import prepare_data, reusable_manifest
+from cifar.data.snapshots import DataStore, SnapshotRecord
 from cifar.results import ArchiveInfo, DataResult
 from cifar.reuse import data_key
 from cifar.workdir import downloads_dir
@@ -36,14 +37,26 @@ def download_archive(config: PipelineConfig, workdir: str) -> ArchiveInfo:
     return archive
 
 
+# Not cached: `latest` moves whenever an addition is ingested, and reading two small files is free.
+@task(name="snapshot")
+def resolve_snapshot(config: PipelineConfig, archive: ArchiveInfo, workdir: str) -> SnapshotRecord:
+    """The data snapshot `data.snapshot` names: the archive plus the additions ingested into the workdir."""
+    snapshot = DataStore(workdir).resolve(config.data.snapshot, archive.sha256, config.data.source)
+    parts = f"{len(snapshot.additions)} additions" if snapshot.additions else "the archive alone"
+    print(f"Data snapshot {snapshot.key} ({config.data.snapshot}): {parts}")
+    return snapshot
+
+
 @stage_task(
     "prepare",
-    key_fn=lambda config, archive, **_: data_key(config.data, archive.sha256),
+    key_fn=lambda config, archive, snapshot, **_: data_key(config.data, archive.sha256, snapshot.additions),
     is_valid=lambda result: reusable_manifest(result.data_dir, result.key) is not None,
 )
-def prepare_dataset(config: PipelineConfig, archive: ArchiveInfo, workdir: str, refresh: bool = False) -> DataResult:
-    """Converts the verified archive into TFRecord shards, a manifest and statistics."""
-    progress = ProgressReporter("prepare", f"Conversion of {Path(archive.path).name} into TFRecord shards")
-    result = prepare_data(config.data, workdir, archive, refresh=refresh, progress=progress.step)
+def prepare_dataset(
+    config: PipelineConfig, archive: ArchiveInfo, snapshot: SnapshotRecord, workdir: str, refresh: bool = False
+) -> DataResult:
+    """Converts the snapshot (the verified archive and its additions) into shards, a manifest and statistics."""
+    progress = ProgressReporter("prepare", f"Conversion of snapshot {snapshot.key} into TFRecord shards")
+    result = prepare_data(config.data, workdir, archive, snapshot, refresh=refresh, progress=progress.step)
     progress.finish()
     return result

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cifar.champion import TrainedWith
 from cifar.checkpoints import index_digest
 from cifar.config import PipelineConfig
 from cifar.evaluate import find_evaluation
@@ -67,10 +68,17 @@ def export_model(
     is_valid=lambda result: True,  # A registered version and its recorded decision stay in the registry.
 )
 def register_model(
-    config: PipelineConfig, training: TrainResult, evaluation: EvaluationResult, export: ExportResult
+    config: PipelineConfig,
+    dataset: DataResult,
+    training: TrainResult,
+    evaluation: EvaluationResult,
+    export: ExportResult,
 ) -> PromotionResult:
     """Registers the export in MLflow and moves the champion alias only if it passes the gate."""
     import_tensorflow()
     from cifar.registry import register_and_promote
 
-    return register_and_promote(config, export, evaluation.test_accuracy, **logged_to(training))
+    trained_with = TrainedWith.of(config, dataset, training)  # Recorded on the version: what made it.
+    return register_and_promote(
+        config, export, evaluation.test_accuracy, **logged_to(training), trained_with=trained_with
+    )

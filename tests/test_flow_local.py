@@ -62,7 +62,13 @@ def test_data_stage_writes_the_summary_then_is_cached(prefect_home, python_archi
     assert Path(summary["manifest"]) == Path(summary["data_dir"]) / "manifest.json"
     assert Path(summary["manifest"]).is_file()
     assert summary["counts"] == {"train": 400, "validation": 100, "test": 200}
-    assert summary["task_states"] == {"download": "Completed", "prepare": "Completed"}
+    assert summary["task_states"] == {
+        "download": "Completed",
+        "snapshot": "Completed",
+        "prepare": "Completed",
+        "validate-data": "Completed",  # The gate runs every time: the champion may have changed.
+    }
+    assert summary["snapshot"] and summary["data_validation"]["passed"]
     assert "cifar pipeline done" in first.stdout and summary["data_dir"] in first.stdout
 
     second = run_pipeline(prefect_home, *argv)
@@ -83,7 +89,9 @@ def test_data_stage_writes_the_summary_then_is_cached(prefect_home, python_archi
     assert refreshed.returncode == 0, refreshed.stderr[-4000:]
     assert json.loads((workdir / "summary.json").read_text())["task_states"] == {
         "download": "Completed",
+        "snapshot": "Completed",
         "prepare": "Completed",
+        "validate-data": "Completed",
     }
 
 

@@ -45,8 +45,10 @@ def _snapshot(directory: Path) -> dict[str, tuple[int, int]]:
 
 
 def _data_entries(workdir: Path) -> list[str]:
+    """Data directories and temporary ones under WORKDIR/data (the snapshot store's areas left out)."""
     data = workdir / "data"
-    return sorted(os.listdir(data)) if data.exists() else []
+    store_areas = {"additions", "bases", "snapshots", "rejected"}
+    return sorted(name for name in os.listdir(data) if name not in store_areas) if data.exists() else []
 
 
 def test_prepare_writes_shards_manifest_and_statistics(python_archive, tmp_path):
@@ -67,7 +69,13 @@ def test_prepare_writes_shards_manifest_and_statistics(python_archive, tmp_path)
         "layout": "python",
     }
     assert manifest.class_names == list(CLASS_NAMES)
-    assert manifest.settings == {"validation_size": 100, "train_shards": 4, "validation_shards": 1, "test_shards": 2}
+    assert manifest.settings == {
+        "validation_size": 100,
+        "train_shards": 4,
+        "validation_shards": 1,
+        "test_shards": 2,
+        "near_duplicate_similarity": 0.97,
+    }
     assert [len(manifest.splits[split].shards) for split in ("train", "validation", "test")] == [4, 1, 2]
     train_images, train_labels = source_arrays(train_per_batch=TRAIN_PER_BATCH, test_examples=TEST_EXAMPLES)["train"]
     assert manifest.splits["train"].class_counts == np.bincount(train_labels[:400], minlength=10).tolist()
@@ -219,6 +227,6 @@ def test_a_reuse_does_no_reading_or_conversion(python_archive, tmp_path, monkeyp
     prepare_data(_config(python_archive), tmp_path)
     calls: list[str] = []
     monkeypatch.setattr(prepare_module, "read_archive", lambda *args, **kwargs: calls.append("read"))
-    monkeypatch.setattr(prepare_module, "convert_dataset", lambda *args, **kwargs: calls.append("convert"))
+    monkeypatch.setattr(prepare_module, "convert_splits", lambda *args, **kwargs: calls.append("convert"))
     assert prepare_data(_config(python_archive), tmp_path).reused is True
     assert calls == []

@@ -128,9 +128,8 @@ def test_three_pipelines_started_at_once_on_a_new_workdir_all_finish(python_arch
         assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     runs = mlflow.MlflowClient(tracking_uri=summary["tracking_uri"]).search_runs(["1"])
     assert sorted(run.info.run_name for run in runs)[0] == "b" and len(runs) == 2  # One run per training folder.
-    assert [path.name for path in (workdir / "data").iterdir() if not path.name.startswith(".")] == [
-        Path(summary["data_dir"]).name
-    ]
+    assert [path.name for path in (workdir / "data").glob("cifar10-*")] == [Path(summary["data_dir"]).name]
+    assert len(list((workdir / "data" / "snapshots").glob("*.json"))) == 2  # The base snapshot and `latest`.
     # Each run keeps its own summary beside the workdir's latest one.
     assert len(list(workdir.glob("runs/*/summary.json"))) == 2
 
@@ -165,7 +164,9 @@ def test_a_run_killed_inside_each_stage_in_turn_ends_as_a_clean_run_does(python_
     assert again.returncode == 0, again.stderr[-4000:]
     assert summary_of(workdir)["task_states"] == {
         "download": "Completed",
+        "snapshot": "Completed",
         "prepare": "Reused",
+        "validate-data": "Completed",
         "train": "Reused",
         "evaluate": "Reused",
         "export": "Reused",

@@ -279,7 +279,7 @@ def _text_keys(value: Any, name: str) -> dict[str, Any]:
 # Layout readers: member bytes in, validated rows and labels out.
 
 
-def _python_batch(data: bytes, name: str) -> tuple[np.ndarray, np.ndarray]:
+def parse_python_batch(data: bytes, name: str) -> tuple[np.ndarray, np.ndarray]:
     batch = _text_keys(load_pickle(data, name), name)
     if "data" not in batch or "labels" not in batch:
         raise InvalidDatasetError(f"{name}: batch has keys {sorted(batch)}, expected 'data' and 'labels'")
@@ -314,7 +314,7 @@ def _binary_class_names(data: bytes, name: str) -> list[str]:
     return validate_class_names(name, [line.strip() for line in text.splitlines() if line.strip()])
 
 
-BATCH_READERS = {PYTHON_LAYOUT: _python_batch, BINARY_LAYOUT: _binary_batch}
+BATCH_READERS = {PYTHON_LAYOUT: parse_python_batch, BINARY_LAYOUT: _binary_batch}
 CLASS_NAME_READERS = {PYTHON_LAYOUT: _python_class_names, BINARY_LAYOUT: _binary_class_names}
 
 

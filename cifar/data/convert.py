@@ -158,13 +158,23 @@ def write_shard(path: Path, records: np.ndarray) -> Shard:
 def convert_dataset(
     dataset: RawDataset, config: DataConfig, output_dir: str | Path, on_shard: ShardCallback | None = None
 ) -> dict[str, Split]:
-    """Writes every split's shards into `output_dir` (a few at once) and returns the manifest's split entries."""
+    """Splits the archive's dataset (`split_dataset`) and writes every split's shards (`convert_splits`)."""
+    return convert_splits(split_dataset(dataset, config.validation_size), config, output_dir, on_shard)
+
+
+def convert_splits(
+    split_arrays: dict[str, tuple[np.ndarray, np.ndarray]],
+    config: DataConfig,
+    output_dir: str | Path,
+    on_shard: ShardCallback | None = None,
+) -> dict[str, Split]:
+    """Writes every split's (images, labels) as shards into `output_dir` (a few at once); returns the splits."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     shard_counts = {"train": config.train_shards, "validation": config.validation_shards, "test": config.test_shards}
     jobs: list[tuple[str, Path, np.ndarray]] = []
     splits: dict[str, Split] = {}
-    for split, (images, labels) in split_dataset(dataset, config.validation_size).items():
+    for split, (images, labels) in split_arrays.items():
         records = encode_records(images, labels)
         bounds = shard_bounds(len(records), shard_counts[split])
         for index, (start, stop) in enumerate(bounds):

@@ -5,6 +5,11 @@ TFRecord schema (format version 1), one `tf.train.Example` per image:
   - `label`: int64, the class index 0..9 (names in `class_names`).
 Shards are uncompressed TFRecord files; paths in the manifest are relative to the manifest's folder.
 Statistics (`mean`, `std`) are per channel (R, G, B) on the 0..1 scale, over the training split.
+
+A data directory holds one snapshot (cifar.data.snapshots): the base archive's splits plus its
+additions' images (cifar.data.plan). `slices` name ranges of a split (`new_data`: the additions'
+validation images); `near_duplicates_file` lists the test images with a near-duplicate in the
+archive's training batches; `plan_file` says where every added image went and why.
 """
 
 from __future__ import annotations
@@ -15,13 +20,17 @@ from pydantic import BaseModel, ConfigDict
 
 from cifar.io import atomic_write_json, read_json
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: snapshots (additions, the new_data slice, near-duplicates of test images).
 MANIFEST_NAME = "manifest.json"
 IMAGE_SHAPE = (32, 32, 3)
 IMAGE_BYTES = 32 * 32 * 3  # One raw image: the `image` feature, a row of the python layout.
 NUM_CLASSES = 10
 STATISTICS_FILE = "statistics.parquet"
 CLASS_HISTOGRAM_FILE = "class_histogram.parquet"
+NEAR_DUPLICATES_FILE = "near_duplicates.parquet"  # test_index, train_index, similarity, near_duplicate.
+NEAR_DUPLICATES_SHEET = "near_duplicates.png"  # The closest pairs and those around the threshold.
+PLAN_FILE = "plan.json"  # cifar.data.plan.SnapshotPlan.
+NEW_DATA_SLICE = "new_data"
 
 
 class Shard(BaseModel):
@@ -47,6 +56,24 @@ class SourceInfo(BaseModel):
     layout: str  # "python" or "binary".
 
 
+class SliceInfo(BaseModel):
+    """Examples [start, stop) of a split, in shard order."""
+
+    model_config = ConfigDict(extra="forbid")
+    split: str
+    start: int
+    stop: int
+
+
+class SnapshotInfo(BaseModel):
+    """The snapshot a data directory holds: its key, base archive and additions."""
+
+    model_config = ConfigDict(extra="forbid")
+    key: str
+    base_sha256: str
+    additions: list[str] = []  # Digests, in the canonical (sorted) order their images follow the archive's.
+
+
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format_version: int = FORMAT_VERSION
@@ -60,6 +87,11 @@ class Manifest(BaseModel):
     std: list[float]
     statistics_file: str = STATISTICS_FILE
     class_histogram_file: str = CLASS_HISTOGRAM_FILE
+    snapshot: SnapshotInfo | None = None
+    slices: dict[str, SliceInfo] = {}
+    near_duplicates_file: str | None = None
+    near_duplicate_test_images: int | None = None  # Test images with a near-duplicate in the training batches.
+    plan_file: str | None = None
 
     def shard_paths(self, data_dir: str | Path, split: str) -> list[str]:
         """Absolute shard paths of a split."""

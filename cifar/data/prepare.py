@@ -1,13 +1,21 @@
-"""The data stage: archive in, verified TFRecord shards + manifest + statistics out, or the finished ones reused.
+"""The data stage: a data snapshot in, verified TFRecord shards, manifest and statistics out (or reused).
 
-    fetch (verify checksums) -> read (safe, restricted unpickler) -> validate -> convert (shards)
-    -> statistics -> manifest, all into a temp directory renamed to WORKDIR/data/cifar10-<key>.
+    fetch (verify checksums) -> read (safe, restricted unpickler) -> validate -> plan the additions
+    -> convert (shards) -> statistics -> manifest, all into a temp directory renamed to
+    WORKDIR/data/cifar10-<key>.
 
-`<key>` is the stage's key (`cifar.reuse.data_key`): the archive's SHA-256, the settings that shape
-the shards, the format version and the data code's version. When that directory already holds a
-complete manifest with that key whose shards have their recorded sizes, nothing is converted again;
-`verify_data_dir` re-hashes every shard when that cheap check is not enough. A partial or damaged
-directory is removed and rebuilt, never returned.
+A snapshot (cifar.data.snapshots) is the base archive plus the additions ingested into the workdir;
+`data.snapshot` picks one (default: the latest). `<key>` is the stage's key (`cifar.reuse.data_key`):
+the archive's SHA-256, the additions' digests, the settings that shape the shards, the format version
+and the data code's version. When that directory already holds a complete manifest with that key
+whose shards have their recorded sizes, nothing is converted again; `verify_data_dir` re-hashes every
+shard when that cheap check is not enough. A partial or damaged directory is removed and rebuilt,
+never returned.
+
+Beside the shards: the plan (where each added image went, cifar.data.plan), the archive's own test
+images that have a near-duplicate in its training batches (`near_duplicates.parquet`, with a contact
+sheet of the closest pairs and of those around the threshold), from the archive's analysis, which is
+computed on the second core while the shards are written and kept for every later snapshot.
 """
 
 from __future__ import annotations
@@ -21,15 +29,33 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cifar import failpoints, locks
+import numpy as np
+
+from cifar import failpoints, locks, plots
 from cifar.config import DataConfig, resolve_workdir
+from cifar.data.analysis import BaseAnalysis, base_analysis
 from cifar.data.archive import RawDataset, read_archive
-from cifar.data.convert import SPLITS, convert_dataset
+from cifar.data.convert import SPLITS, convert_splits, split_dataset
 from cifar.data.download import fetch_archive
-from cifar.data.manifest import MANIFEST_NAME, Manifest, SourceInfo, load_manifest, write_manifest
+from cifar.data.manifest import (
+    MANIFEST_NAME,
+    NEAR_DUPLICATES_FILE,
+    NEAR_DUPLICATES_SHEET,
+    NEW_DATA_SLICE,
+    PLAN_FILE,
+    Manifest,
+    SliceInfo,
+    SnapshotInfo,
+    SourceInfo,
+    load_manifest,
+    write_manifest,
+)
+from cifar.data.neardup import NearDuplicates
+from cifar.data.plan import SnapshotPlan, plan_snapshot, validation_share
+from cifar.data.snapshots import DataStore, SnapshotRecord, StoredPart
 from cifar.data.stats import channel_statistics, write_class_histogram, write_statistics
 from cifar.data.validate import validate_dataset
-from cifar.io import atomic_directory, file_digest
+from cifar.io import atomic_directory, atomic_write_bytes, atomic_write_json, file_digest
 from cifar.results import ArchiveInfo, DataResult
 from cifar.reuse import data_key, data_settings
 from cifar.workdir import data_root, downloads_dir
@@ -63,20 +89,24 @@ def prepare_data(
     config: DataConfig,
     workdir: str | Path,
     archive: ArchiveInfo | None = None,
+    snapshot: SnapshotRecord | None = None,
     *,
     refresh: bool = False,
     progress: ProgressCallback | None = None,
 ) -> DataResult:
-    """Converts the verified archive into WORKDIR/data/cifar10-<key>, or reuses the finished directory.
+    """Converts a snapshot (the verified archive plus its additions) into WORKDIR/data/cifar10-<key>, or reuses it.
 
     `archive` is the download stage's verified archive; without it the archive is fetched and
-    verified first (for a caller outside the pipeline). `refresh` rebuilds a finished directory.
+    verified first (for a caller outside the pipeline). `snapshot` is the snapshot to build; without
+    it, the one `config.snapshot` names. `refresh` rebuilds a finished directory.
     `progress(step, fraction)` gets the current step and the fraction (0..1) of the stage done.
     """
     workdir = resolve_workdir(workdir)
     report = functools.partial(_report, progress)
     archive = archive or _fetch(config, workdir, report)
-    key = data_key(config, archive.sha256)
+    store = DataStore(workdir)
+    snapshot = snapshot or store.resolve(config.snapshot, archive.sha256, config.source)
+    key = data_key(config, archive.sha256, snapshot.additions)
     data_dir = data_root(workdir) / f"cifar10-{key}"
 
     remove_abandoned_partials(data_root(workdir))
@@ -84,7 +114,8 @@ def prepare_data(
     with locks.exclusive(locks.lock_path(data_dir), f"the data directory {data_dir.name}"):
         manifest = None if refresh else reusable_manifest(data_dir, key)
         if manifest is not None:
-            logger.info("Reusing %s (same archive, settings and code)", data_dir)
+            logger.info("Reusing %s (same snapshot, settings and code)", data_dir)
+            store.ensure_recorded(snapshot)
             report("done", 1.0)
             return _result(data_dir, manifest, reused=True)
         if data_dir.exists():
@@ -96,9 +127,11 @@ def prepare_data(
         dataset = read_archive(archive.path)
         num_train, num_test = len(dataset.train_images), len(dataset.test_images)
         logger.info("Read %s layout: %d training and %d test images", dataset.layout, num_train, num_test)
+        parts = [store.part(digest, config.near_duplicate_similarity) for digest in snapshot.additions]
         with atomic_directory(data_dir) as temp:
-            manifest = _build(temp, dataset, archive, config, key, report)
+            manifest = _build(temp, dataset, parts, archive, snapshot, config, key, workdir, report)
             failpoints.reached("data.converted")
+        store.ensure_recorded(snapshot)
     logger.info("Data stage wrote %s in %.1f s", data_dir, time.perf_counter() - started)
     report("done", 1.0)
     return _result(data_dir, manifest, reused=False)
@@ -130,30 +163,50 @@ def _fetch(config: DataConfig, workdir: Path, report: ProgressCallback) -> Archi
 
 
 def _build(
-    output_dir: Path, dataset: RawDataset, archive: ArchiveInfo, config: DataConfig, key: str, report: ProgressCallback
+    output_dir: Path,
+    dataset: RawDataset,
+    parts: list[StoredPart],
+    archive: ArchiveInfo,
+    snapshot: SnapshotRecord,
+    config: DataConfig,
+    key: str,
+    workdir: Path,
+    report: ProgressCallback,
 ) -> Manifest:
-    """Validates, converts and summarises the dataset into `output_dir`; returns the manifest."""
+    """Validates, plans, converts and summarises the snapshot into `output_dir`; returns the manifest."""
     report("validate", 0.0)
     validate_dataset(dataset, config)
-
-    report("convert", 0.0)
 
     def on_shard(written: int, total: int) -> None:
         logger.info("Converting: %d of %d shards written", written, total)
         report("convert", written / total)
 
-    train_images = dataset.train_images[: len(dataset.train_images) - config.validation_size]
     with ThreadPoolExecutor(max_workers=1) as executor:
-        # The statistics (numpy, which releases the GIL) are computed while the shards are written.
-        statistics = executor.submit(channel_statistics, train_images)
-        splits = convert_dataset(dataset, config, output_dir, on_shard=on_shard)
+        # The archive's analysis (numpy and BLAS, which release the GIL) runs on the other core.
+        analysis = executor.submit(base_analysis, workdir, archive.sha256, dataset, config.near_duplicate_similarity)
+        plan = SnapshotPlan(snapshot=snapshot.key, validation_fraction=0.0)
+        if parts:  # Where the added images go depends on the archive's test images: wait for its analysis.
+            fraction = validation_share(config.validation_size, len(dataset.train_images))
+            plan = plan_snapshot(
+                snapshot.key,
+                parts,
+                analysis.result(),
+                dataset.test_images,
+                validation_fraction=fraction,
+                threshold=config.near_duplicate_similarity,
+            )
+        split_arrays, slices = _snapshot_splits(dataset, parts, plan, config.validation_size)
+        report("convert", 0.0)
+        splits = convert_splits(split_arrays, config, output_dir, on_shard=on_shard)
         report("statistics", 0.0)
-        mean, std = statistics.result()
+        mean, std = channel_statistics(split_arrays["train"][0])
+        near_duplicates = _write_near_duplicates(output_dir, analysis.result(), dataset)
     logger.info(
         "Training split mean %s, std %s", [round(value, 4) for value in mean], [round(value, 4) for value in std]
     )
     write_statistics(output_dir, mean, std, splits["train"].num_examples)
     write_class_histogram(output_dir, splits, dataset.class_names)
+    atomic_write_json(output_dir / PLAN_FILE, plan.model_dump(mode="json"))
     manifest = Manifest(
         key=key,
         source=SourceInfo(location=config.source, sha256=archive.sha256, md5=archive.md5, layout=dataset.layout),
@@ -162,14 +215,81 @@ def _build(
         splits=splits,
         mean=mean,
         std=std,
+        snapshot=SnapshotInfo(key=snapshot.key, base_sha256=snapshot.base_sha256, additions=snapshot.additions),
+        slices=slices,
+        near_duplicates_file=NEAR_DUPLICATES_FILE,
+        near_duplicate_test_images=len(near_duplicates.queries()),
+        plan_file=PLAN_FILE,
     )
     write_manifest(output_dir, manifest)
     # The temp directory and the manifest are created private (0700 / 0600); the data is readable by
     # the other processes (training, serving) like any other output file.
     os.chmod(output_dir, 0o755)
-    os.chmod(output_dir / MANIFEST_NAME, 0o644)
+    for path in output_dir.iterdir():
+        os.chmod(path, 0o644)
     report("statistics", 1.0)
     return manifest
+
+
+def _snapshot_splits(
+    dataset: RawDataset, parts: list[StoredPart], plan: SnapshotPlan, validation_size: int
+) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, SliceInfo]]:
+    """(images, labels) per split: the archive's splits, each followed by the additions' images in plan order."""
+    base = split_dataset(dataset, validation_size)
+    by_digest = {part.digest: part for part in parts}
+    arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for split in ("train", "validation"):
+        images, labels = [base[split][0]], [base[split][1]]
+        for part_plan in plan.parts:
+            part, indices = by_digest[part_plan.digest], np.asarray(getattr(part_plan, split), np.int64)
+            images.append(part.images[indices])
+            labels.append(part.labels[indices])
+        arrays[split] = (np.concatenate(images), np.concatenate(labels))
+    arrays["test"] = base["test"]
+    validation_start = len(base["validation"][1])
+    slices = {}
+    if len(arrays["validation"][1]) > validation_start:
+        stop = len(arrays["validation"][1])
+        slices[NEW_DATA_SLICE] = SliceInfo(split="validation", start=validation_start, stop=stop)
+    return arrays, slices
+
+
+SHEET_PAIRS = 18  # Pairs per group of the contact sheet.
+
+
+def _write_near_duplicates(output_dir: Path, analysis: BaseAnalysis, dataset: RawDataset) -> NearDuplicates:
+    """near_duplicates.parquet (every pair at or above the threshold) and the contact sheet of the closest pairs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pairs = analysis.near_duplicates
+    table = pa.table(
+        {
+            "test_index": pa.array(pairs.query, pa.int64()),
+            "train_index": pa.array(pairs.pool, pa.int64()),
+            "similarity": pa.array(pairs.similarity, pa.float32()),
+        }
+    )
+    pq.write_table(table, output_dir / NEAR_DUPLICATES_FILE)
+    # Near misses (just below the threshold) beside the pairs just above it: what a person needs to judge it.
+    threshold = pairs.threshold
+    near = analysis.pairs  # Down to the threshold minus a margin.
+    below = [(q, p, s) for q, p, s in zip(near.query, near.pool, near.similarity) if s < threshold]
+    below = sorted(below, key=lambda item: -item[2])
+    found = list(zip(pairs.query, pairs.pool, pairs.similarity))
+    just_above = sorted(found, key=lambda item: item[2])[:SHEET_PAIRS]
+
+    def images(items):
+        return [(dataset.test_images[q], dataset.train_images[p], s) for q, p, s in items]
+
+    groups = [
+        (f"The {SHEET_PAIRS} closest pairs (test | training)", images(found[:SHEET_PAIRS])),
+        (f"Just above the threshold {threshold:g}: counted as near-duplicates", images(just_above)),
+        ("Just below it: not counted", images(below[:SHEET_PAIRS])),
+    ]
+    title = f"{len(pairs.queries())} of {len(dataset.test_images):,} test images have a near-duplicate in training"
+    atomic_write_bytes(output_dir / NEAR_DUPLICATES_SHEET, plots.near_duplicates_png(groups, title))
+    return pairs
 
 
 def _result(data_dir: Path, manifest: Manifest, *, reused: bool) -> DataResult:
@@ -180,6 +300,8 @@ def _result(data_dir: Path, manifest: Manifest, *, reused: bool) -> DataResult:
         source_sha256=manifest.source.sha256,
         reused=reused,
         counts={split: manifest.splits[split].num_examples for split in SPLITS},
+        snapshot=manifest.snapshot.key if manifest.snapshot else None,
+        additions=manifest.snapshot.additions if manifest.snapshot else [],
     )
 
 

@@ -1,7 +1,9 @@
 """Small CIFAR-10 look-alike archives in the exact official layouts, for tests and demos.
 
 The images are learnable: every class has its own colour and stripe orientation, plus noise, so a
-tiny model beats chance within an epoch or two. Same seed, same bytes.
+tiny model beats chance within an epoch or two. Each image also has its own stripe phase and width
+and a soft blob in a random place, so no two images are near-duplicates of each other (as with real
+photographs) unless a test makes them so. Same seed, same bytes.
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ def make_images(labels: np.ndarray, seed: int) -> np.ndarray:
     images = np.empty((len(labels), 32, 32, 3), dtype=np.uint8)
     for index, label in enumerate(labels):
         angle = np.pi * label / 10.0
-        stripes = np.sin((rows * np.cos(angle) + columns * np.sin(angle)) * 0.8)  # (32, 32)
-        image = palette[label][None, None, :] + 40.0 * stripes[..., None]
+        width, phase = rng.uniform(0.6, 1.0), rng.uniform(0, 2 * np.pi)
+        stripes = np.sin((rows * np.cos(angle) + columns * np.sin(angle)) * width + phase)  # (32, 32)
+        image = palette[label][None, None, :] + rng.uniform(25, 40) * stripes[..., None]
+        for _ in range(2):  # Soft blobs in random places: each image's own low-frequency content.
+            centre, radius = rng.uniform(4, 28, size=2), rng.uniform(4, 9)
+            blob = np.exp(-((rows - centre[0]) ** 2 + (columns - centre[1]) ** 2) / (2 * radius**2))
+            image = image + rng.uniform(-70, 70) * blob[..., None]
         image += rng.normal(0.0, 20.0, size=image.shape)
         images[index] = np.clip(image, 0, 255).astype(np.uint8)
     return images
@@ -116,3 +123,27 @@ def source_arrays(
         "train": make_split(train_per_batch * NUM_TRAIN_BATCHES, seed),
         "test": make_split(test_examples, seed + 100),
     }
+
+
+def write_batch_file(path: str | Path, images: np.ndarray, labels: np.ndarray, name: str = "data_batch_6") -> Path:
+    """A CIFAR batch file (the pickle layout of data_batch_N) holding `images` (N, 32, 32, 3) and `labels`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(_python_batch(images, np.asarray(labels), name))
+    return path
+
+
+def write_image_folder(
+    path: str | Path, images: np.ndarray, labels: np.ndarray, *, image_format: str = "png", quality: int = 95
+) -> Path:
+    """PATH/<class name>/<index>.<png|jpg>: an addition folder in the layout `flows/ingest.py --add` reads."""
+    from PIL import Image
+
+    root = Path(path)
+    suffix = {"png": "png", "jpeg": "jpg"}[image_format]
+    for index, (image, label) in enumerate(zip(images, labels)):
+        target = root / CLASS_NAMES[int(label)] / f"{index:05d}.{suffix}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        options = {"quality": quality} if image_format == "jpeg" else {}
+        Image.fromarray(image).save(target, format=image_format.upper(), **options)
+    return root

@@ -1,0 +1,198 @@
+"""Reading new labelled data: a CIFAR batch file or a folder of images in class-named subfolders.
+
+    batch file   the pickle layout of `data_batch_N` (`data` uint8 (N, 3072), `labels`), read with the
+                 archive's restricted unpickler: a crafted pickle cannot run code
+    folder       PATH/<class name>/<file>, PNG or JPEG, 32x32 RGB; `cat/001.png` is a cat
+
+Nothing is trusted. Every file that cannot be used is listed with what is wrong with it (undecodable,
+truncated, another size, not RGB, an unknown class folder, not inside a class folder, a link) and
+left out; the validation gate (cifar.data.checks) decides whether that is acceptable. Images of
+another size are refused unless the caller opts into a declared resize (`RESIZE_METHODS`), which the
+addition records. The usable images become an `Addition`: uint8 images (N, 32, 32, 3), labels and a
+name per image, in a canonical order (a folder's files sorted by path, a batch file's rows as they
+are), and its `digest` is the SHA-256 of exactly that content, so the same content is the same
+addition however often it is offered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from cifar.data.manifest import IMAGE_SHAPE
+
+MAX_BATCH_FILE_BYTES = 1 << 30  # An official batch is 31 MB; a 1 GiB pickle (330,000 images) is the ceiling.
+IMAGE_FORMATS = {"PNG", "JPEG"}
+# Declared resizes an addition may opt into (PIL's filters); the method is recorded with the addition.
+RESIZE_METHODS = ("bilinear", "bicubic", "lanczos", "box", "nearest")
+DIGEST_PREFIX = b"cifar-addition-v1\n"  # Versions the digest's definition, not the data.
+
+
+class FileProblem(BaseModel):
+    """One file of an addition that was left out, and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file: str  # Relative to the addition (a folder), or `<batch file>#<row>`.
+    problem: str  # The kind: undecodable, truncated, size, mode, unknown_class, not_in_class_folder, link, format.
+    detail: str
+
+
+@dataclass(frozen=True)
+class Addition:
+    """The usable content of a labelled source, in canonical order, and what was left out."""
+
+    images: np.ndarray  # (N, 32, 32, 3) uint8
+    labels: np.ndarray  # (N,) int64, class ids of the base archive's class names
+    names: list[str]  # Per image: its file (folder) or `<file>#<row>` (batch file).
+    kind: str  # "folder" or "batch_file"
+    source: str  # The path it was read from.
+    resize: str | None = None  # The declared resize method, when images of another size were resized.
+    problems: list[FileProblem] = field(default_factory=list)
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the labels and pixels in canonical order: the addition's identity in the data store."""
+        digest = hashlib.sha256(DIGEST_PREFIX)
+        digest.update(np.ascontiguousarray(self.labels, dtype="<i8").tobytes())
+        digest.update(np.ascontiguousarray(self.images, dtype=np.uint8).tobytes())
+        return digest.hexdigest()
+
+
+def read_addition(path: str | Path, class_names: list[str], *, resize: str | None = None) -> Addition:
+    """Reads a batch file or an image folder (decided by what `path` is); raises ValueError if it is neither."""
+    path = Path(path).expanduser()
+    if resize is not None and resize not in RESIZE_METHODS:
+        raise ValueError(f"resize must be one of {', '.join(RESIZE_METHODS)}, got {resize!r}")
+    if path.is_symlink():
+        raise ValueError(f"{path} is a symbolic link: give the file or folder itself")
+    if path.is_dir():
+        return read_image_folder(path, class_names, resize=resize)
+    if path.is_file():
+        if resize is not None:
+            raise ValueError("resize applies to image folders; a batch file's rows are 32x32 by definition")
+        return read_batch_file(path)
+    raise ValueError(f"no file or folder at {path}")
+
+
+def read_batch_file(path: str | Path) -> Addition:
+    """A CIFAR batch file (pickle layout of data_batch_N), through the restricted unpickler."""
+    from cifar.data.archive import parse_python_batch, rows_to_images
+
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_BATCH_FILE_BYTES:
+        raise ValueError(f"{path} is {size:,} bytes, over the {MAX_BATCH_FILE_BYTES:,} byte limit of a batch file")
+    rows, labels = parse_python_batch(path.read_bytes(), path.name)  # InvalidDatasetError / UnsafePickleError name it.
+    return Addition(
+        images=rows_to_images([rows]),
+        labels=labels.astype(np.int64),
+        names=[f"{path.name}#{row}" for row in range(len(labels))],
+        kind="batch_file",
+        source=str(path.resolve()),
+    )
+
+
+def read_image_folder(path: str | Path, class_names: list[str], *, resize: str | None = None) -> Addition:
+    """PATH/<class>/<file> images; every file that cannot be used is listed in `problems`."""
+    root = Path(path)
+    class_ids = {name: index for index, name in enumerate(class_names)}
+    images: list[np.ndarray] = []
+    labels: list[int] = []
+    names: list[str] = []
+    problems: list[FileProblem] = []
+    for relative, entry in _walk(root):
+        parts = Path(relative).parts
+        if entry is None:  # A link, or something that is not a regular file or directory.
+            problems.append(FileProblem(file=relative, problem="link", detail="links and special files are not read"))
+            continue
+        if len(parts) != 2:
+            detail = "images must be in PATH/<class name>/<file>"
+            problems.append(FileProblem(file=relative, problem="not_in_class_folder", detail=detail))
+            continue
+        if parts[0] not in class_ids:
+            detail = f"folder {parts[0]!r} is not a class name ({', '.join(class_names)})"
+            problems.append(FileProblem(file=relative, problem="unknown_class", detail=detail))
+            continue
+        image, problem = _decode(root / relative, resize)
+        if problem is not None:
+            problems.append(FileProblem(file=relative, problem=problem[0], detail=problem[1]))
+            continue
+        images.append(image)
+        labels.append(class_ids[parts[0]])
+        names.append(relative)
+    return Addition(
+        images=np.stack(images) if images else np.zeros((0, *IMAGE_SHAPE), np.uint8),
+        labels=np.asarray(labels, np.int64),
+        names=names,
+        kind="folder",
+        source=str(root.resolve()),
+        resize=resize,
+        problems=problems,
+    )
+
+
+def _walk(root: Path):
+    """(relative path, DirEntry or None for links and special files) of every file under `root`, sorted."""
+    pending = [""]
+    found = []
+    while pending:
+        relative_dir = pending.pop()
+        with os.scandir(root / relative_dir) as entries:
+            for entry in entries:
+                relative = f"{relative_dir}/{entry.name}" if relative_dir else entry.name
+                mode = entry.stat(follow_symlinks=False).st_mode
+                if stat.S_ISDIR(mode):
+                    pending.append(relative)
+                elif stat.S_ISREG(mode):
+                    found.append((relative, entry))
+                else:
+                    found.append((relative, None))
+    return sorted(found, key=lambda item: item[0])
+
+
+def _decode(path: Path, resize: str | None) -> tuple[np.ndarray | None, tuple[str, str] | None]:
+    """(HWC uint8 image, None) or (None, (problem kind, detail)) for one file."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                if image.format not in IMAGE_FORMATS:
+                    return None, ("format", f"{image.format} image; only PNG and JPEG are read")
+                image.load()  # Decodes every byte: a truncated file fails here.
+                image = _as_rgb(image)
+                if image is None:
+                    return None, ("mode", "not an RGB image (grey, CMYK, or transparent pixels)")
+                if image.size != IMAGE_SHAPE[:2]:
+                    if resize is None:
+                        size = f"{image.size[0]}x{image.size[1]}"
+                        return None, ("size", f"{size} pixels, expected 32x32 (or opt into a declared resize)")
+                    image = image.resize(IMAGE_SHAPE[:2], getattr(Image.Resampling, resize.upper()))
+                return np.asarray(image, np.uint8).copy(), None
+    except UnidentifiedImageError:
+        return None, ("undecodable", "not an image PIL can read")
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        kind = "truncated" if "truncated" in str(error).lower() else "undecodable"
+        return None, (kind, f"{type(error).__name__}: {error}")
+
+
+def _as_rgb(image):
+    """The image as RGB when that loses nothing (RGB, a palette, or fully opaque RGBA), else None."""
+    if image.mode == "RGB":
+        return image
+    if image.mode == "P" and "transparency" not in image.info:
+        return image.convert("RGB")
+    if image.mode in ("RGBA", "P"):
+        rgba = image.convert("RGBA")
+        if rgba.getextrema()[3][0] == 255:  # Every pixel fully opaque.
+            return rgba.convert("RGB")
+    return None
