@@ -287,8 +287,13 @@ def test_wrong_class_names_are_rejected(binary_archive, tmp_path):
 
 def test_a_missing_batch_is_named(python_archive, tmp_path):
     archive_path = _replaced(python_archive, tmp_path / "bad.tar.gz", {f"{PY_DIR}/data_batch_5": None})
-    with pytest.raises(UnknownLayoutError, match="missing data_batch_5"):
+    with pytest.raises(UnknownLayoutError, match="missing data_batch_5 .*expect_official_counts false"):
         read_archive(archive_path)
+    # Asked for, an archive with a batch left out (to add later as new data) reads the batches it has.
+    assert len(read_archive(archive_path, all_batches=False).train_images) == 4 * TRAIN_PER_BATCH
+    without_meta = _replaced(archive_path, tmp_path / "worse.tar.gz", {f"{PY_DIR}/batches.meta": None})
+    with pytest.raises(UnknownLayoutError, match="missing batches.meta"):
+        read_archive(without_meta, all_batches=False)
 
 
 def test_an_archive_without_a_cifar_layout_is_rejected(tmp_path):

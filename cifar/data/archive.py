@@ -350,14 +350,23 @@ def detect_layout(names: list[str] | set[str]) -> str:
     return found[0]
 
 
-def parse_layout(files: Mapping[str, bytes], layout: str) -> RawDataset:
-    """Builds the RawDataset from a layout's files (`files` maps 'dir/name' -> bytes)."""
+def parse_layout(files: Mapping[str, bytes], layout: str, *, all_batches: bool = True) -> RawDataset:
+    """Builds the RawDataset from a layout's files (`files` maps 'dir/name' -> bytes).
+
+    Every training batch must be there unless `all_batches` is false (an archive that holds fewer,
+    e.g. the official one with a batch left out to be added later as new data): then at least one.
+    """
     directory = LAYOUT_DIRECTORIES[layout]
-    missing = [name for name in NEEDED_FILES[layout] if f"{directory}/{name}" not in files]
+    present = [name for name in TRAIN_FILES[layout] if f"{directory}/{name}" in files]
+    optional = set() if all_batches or not present else set(TRAIN_FILES[layout])
+    missing = [name for name in NEEDED_FILES[layout] if f"{directory}/{name}" not in files and name not in optional]
     if missing:
-        raise UnknownLayoutError(f"{directory}/ is missing {', '.join(missing)}")
+        hint = (
+            " (an archive with fewer training batches needs data.expect_official_counts false)" if all_batches else ""
+        )
+        raise UnknownLayoutError(f"{directory}/ is missing {', '.join(missing)}{hint}")
     read = lambda reader, name: reader(files[f"{directory}/{name}"], f"{directory}/{name}")
-    train = [read(BATCH_READERS[layout], name) for name in TRAIN_FILES[layout]]
+    train = [read(BATCH_READERS[layout], name) for name in present]
     test_rows, test_labels = read(BATCH_READERS[layout], TEST_FILE[layout])
     return RawDataset(
         train_images=rows_to_images([rows for rows, _ in train]),
@@ -369,8 +378,11 @@ def parse_layout(files: Mapping[str, bytes], layout: str) -> RawDataset:
     )
 
 
-def read_archive(archive_path: str | Path) -> RawDataset:
-    """Reads a CIFAR-10 archive in either official layout straight from the tar, checking every member."""
+def read_archive(archive_path: str | Path, *, all_batches: bool = True) -> RawDataset:
+    """Reads a CIFAR-10 archive in either official layout straight from the tar, checking every member.
+
+    `all_batches=False` accepts an archive that lacks some training batches (`parse_layout`).
+    """
     files: dict[str, bytes] = {}
 
     def keep(member: tarfile.TarInfo, reader: io.BufferedReader) -> None:
@@ -379,7 +391,7 @@ def read_archive(archive_path: str | Path) -> RawDataset:
             files[name] = reader.read()
 
     _scan_archive(archive_path, keep)
-    return parse_layout(files, detect_layout(set(files)))
+    return parse_layout(files, detect_layout(set(files)), all_batches=all_batches)
 
 
 def read_directory(directory: str | Path) -> RawDataset:

@@ -83,7 +83,9 @@ def check_prepared(
         raise ValueError(f"{data_dir} was prepared without a snapshot: run the data stage again")
     snapshot = store.snapshot(manifest.snapshot.key)
     threshold = config.data.near_duplicate_similarity
-    base = base_analysis(Path(workdir), snapshot.base_sha256, lambda: read_archive(archive_path), threshold)
+    base = base_analysis(
+        Path(workdir), snapshot.base_sha256, lambda: read_archive(archive_path, all_batches=False), threshold
+    )
     parts = [store.part(digest, threshold) for digest in snapshot.additions]
     plan = SnapshotPlan.model_validate(read_json(data_dir / manifest.plan_file))
     report = _gate(store, snapshot, parts, plan, base, champion, config)

@@ -63,7 +63,7 @@ def ingest_addition(
 ) -> tuple[IngestResult, ValidationReport | None]:
     """Reads, gates and stores an addition; raises DataValidationError (store unchanged) when it fails."""
     store = DataStore(workdir)
-    dataset = read_archive(archive.path)
+    dataset = read_archive(archive.path, all_batches=False)  # The data stage checks the counts.
     addition = read_addition(path, dataset.class_names, resize=resize)
     digest = addition.digest
     left_out = len(addition.problems)

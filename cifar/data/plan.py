@@ -34,7 +34,7 @@ class Exclusion(BaseModel):
     index: int  # In the addition's stored order.
     name: str  # Its file, or `<batch file>#<row>`.
     reason: str  # "duplicate" or "leakage".
-    of: str  # What it repeats: "test image 17", "training image 4 of the archive", "image 2 of addition 3fa2...".
+    of: str  # What it repeats: "test image 17", "training image 4 of the archive", "cat/2.png of addition 3fa2...".
     similarity: float | None = None  # Near-duplicate leaks: the similarity to that test image.
     conflicting_label: bool = False  # A duplicate whose label differs from its original's.
 
@@ -114,7 +114,7 @@ def plan_snapshot(
                     )
                 )
                 continue
-            seen[value] = (f"image {index} of addition {digest[:12]}", label)
+            seen[value] = (f"{names[index]} of addition {digest[:12]}", label)
             remaining.append(index)
         remaining_index = np.asarray(remaining, np.int64)
         leaks = find_near_duplicates(images[remaining_index], test_images, threshold, pool_plain=base.test_fingerprints)

@@ -124,7 +124,7 @@ def prepare_data(
         started = time.perf_counter()
         report("read", 0.0)
         logger.info("Reading %s", archive.path)
-        dataset = read_archive(archive.path)
+        dataset = read_archive(archive.path, all_batches=config.expect_official_counts)
         num_train, num_test = len(dataset.train_images), len(dataset.test_images)
         logger.info("Read %s layout: %d training and %d test images", dataset.layout, num_train, num_test)
         parts = [store.part(digest, config.near_duplicate_similarity) for digest in snapshot.additions]

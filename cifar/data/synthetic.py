@@ -33,13 +33,13 @@ def make_images(labels: np.ndarray, seed: int) -> np.ndarray:
     images = np.empty((len(labels), 32, 32, 3), dtype=np.uint8)
     for index, label in enumerate(labels):
         angle = np.pi * label / 10.0
-        width, phase = rng.uniform(0.6, 1.0), rng.uniform(0, 2 * np.pi)
+        width, phase = rng.uniform(0.25, 0.45), rng.uniform(0, 2 * np.pi)  # Periods of 14-25 pixels.
         stripes = np.sin((rows * np.cos(angle) + columns * np.sin(angle)) * width + phase)  # (32, 32)
-        image = palette[label][None, None, :] + rng.uniform(25, 40) * stripes[..., None]
-        for _ in range(2):  # Soft blobs in random places: each image's own low-frequency content.
-            centre, radius = rng.uniform(4, 28, size=2), rng.uniform(4, 9)
+        image = palette[label][None, None, :] + rng.uniform(20, 35) * stripes[..., None]
+        for _ in range(4):  # Soft blobs in random places: each image's own low-frequency content.
+            centre, radius = rng.uniform(2, 30, size=2), rng.uniform(3, 8)
             blob = np.exp(-((rows - centre[0]) ** 2 + (columns - centre[1]) ** 2) / (2 * radius**2))
-            image = image + rng.uniform(-70, 70) * blob[..., None]
+            image = image + rng.uniform(-80, 80) * blob[..., None]
         image += rng.normal(0.0, 20.0, size=image.shape)
         images[index] = np.clip(image, 0, 255).astype(np.uint8)
     return images
@@ -87,9 +87,18 @@ def _write_gzip_tar(path: Path, files: dict[str, bytes]) -> Path:
 
 
 def build_archive(
-    path: str | Path, *, train_per_batch: int = 100, test_examples: int = 200, layout: str = "python", seed: int = 0
+    path: str | Path,
+    *,
+    train_per_batch: int = 100,
+    test_examples: int = 200,
+    layout: str = "python",
+    seed: int = 0,
+    train_batches: int = NUM_TRAIN_BATCHES,
 ) -> Path:
-    """Writes a gzipped tar in the official `python` or `binary` layout and returns its path."""
+    """Writes a gzipped tar in the official `python` or `binary` layout and returns its path.
+
+    `train_batches` < 5 leaves the last batches out (an archive to which they are added later).
+    """
     if layout not in {"python", "binary"}:
         raise ValueError(f"layout must be 'python' or 'binary', got {layout!r}")
     arrays = source_arrays(train_per_batch=train_per_batch, test_examples=test_examples, seed=seed)
@@ -97,7 +106,7 @@ def build_archive(
     python = layout == "python"
     directory, suffix, encode = (PYTHON_DIR, "", _python_batch) if python else (BINARY_DIR, ".bin", _binary_batch)
     files: dict[str, bytes] = {}
-    for batch in range(NUM_TRAIN_BATCHES):
+    for batch in range(train_batches):
         part = slice(batch * train_per_batch, (batch + 1) * train_per_batch)
         name = f"data_batch_{batch + 1}"
         files[f"{directory}/{name}{suffix}"] = encode(train_images[part], train_labels[part], name)
