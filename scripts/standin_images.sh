@@ -41,11 +41,13 @@ if [[ $refresh == 1 ]] || ! exists "$DEBIAN_IMAGE"; then
     rm -f "$work/rootfs.tar"
 fi
 
-for pair in "python.Dockerfile=$PYTHON_IMAGE" "postgres.Dockerfile=$POSTGRES_IMAGE"; do
-    dockerfile=${pair%%=*}
-    image=${pair#*=}
-    # The engine's layer cache makes this a few seconds when nothing changed.
-    echo "standin_images: building $image" >&2
-    "$ENGINE" build --quiet --build-arg "DEBIAN_IMAGE=$DEBIAN_IMAGE" -f "$STANDINS/$dockerfile" -t "$image" "$STANDINS" >/dev/null
-done
+build() {
+    echo "standin_images: building $2" >&2
+    "$ENGINE" build --quiet --build-arg "DEBIAN_IMAGE=$DEBIAN_IMAGE" -f "$STANDINS/$1" -t "$2" "$STANDINS" >/dev/null
+}
+# Both at once (mostly apt downloads); the engine's layer cache makes this seconds when nothing changed.
+build postgres.Dockerfile "$POSTGRES_IMAGE" &
+postgres_build=$!
+build python.Dockerfile "$PYTHON_IMAGE"
+wait "$postgres_build"
 echo "$PYTHON_IMAGE $POSTGRES_IMAGE"
