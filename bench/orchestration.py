@@ -136,11 +136,7 @@ def direct_child(args) -> None:
     stage(
         "register",
         lambda: register_and_promote(
-            config,
-            export,
-            evaluation.test_accuracy,
-            mlflow_run_id=training.mlflow_run_id,
-            tracking_uri=training.tracking_uri,
+            config, export, data.data_dir, mlflow_run_id=training.mlflow_run_id, tracking_uri=training.tracking_uri
         ),
     )
     print("BENCH_STAGES " + json.dumps(times), flush=True)

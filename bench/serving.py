@@ -185,14 +185,14 @@ def post(url: str, payload: bytes) -> float:
     return time.perf_counter() - start
 
 
-def measure_http(config, export, training, images: np.ndarray, args) -> dict:
+def measure_http(config, export, training, images: np.ndarray, args, data_dir) -> dict:
     """Registers the export (pyfunc), serves it with `mlflow models serve`, times JSON requests."""
     from cifar.registry import register_and_promote
 
     promotion = register_and_promote(
         config,
         export,
-        0.0 if export.verified_accuracy is None else export.verified_accuracy,
+        data_dir,
         mlflow_run_id=training.mlflow_run_id,
         tracking_uri=training.tracking_uri,
         input_example=images[:1],
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
 
     http_text = ""
     if args.http:
-        http = measure_http(config, export, training, images, args)
+        http = measure_http(config, export, training, images, args, data_dir)
         http_rate = args.http_batch / common.median(http["batch"])
         in_process_rate = args.batch_size / common.median(batch_seconds["serving_default"])
         http_text = (

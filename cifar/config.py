@@ -312,12 +312,44 @@ class EvaluateConfig(Section):
 
 
 class ExportConfig(Section):
-    """SavedModel export, registry and the promotion gate."""
+    """SavedModel export, registry and the promotion gate (cifar.comparison: champion vs challenger, same images)."""
 
     model_name: SafeName = Field("cifar10", description="Registered model name; also export/<model_name>/.")
     register_model: bool = True
     min_accuracy: float = Field(0.0, ge=0, le=1, description="Test accuracy a model needs to become champion.")
-    tolerance: float = Field(0.0, ge=0, le=1, description="Allowed drop below the current champion.")
+    min_improvement: float = Field(
+        0.0,
+        ge=-1,
+        le=1,
+        description="Test accuracy gain over the champion needed to replace it; negative: a tolerated loss; "
+        "a positive gain must also be significant.",
+    )
+    max_class_drop: float = Field(
+        0.05, ge=0, le=1, description="Largest loss of one class's accuracy against the champion (0.05 = 5 points)."
+    )
+    significance: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="Level of McNemar's exact test on the images where the models disagree: a challenger "
+        "significantly worse is refused whatever the tolerance.",
+    )
+
+
+class MonitorConfig(Section):
+    """What batch prediction judges drift by (cifar.monitoring): the images it scores and its answers."""
+
+    max_image_drift: float = Field(
+        0.05, ge=0, le=1, description="Jensen-Shannon divergence of scored images vs training images, worst feature."
+    )
+    max_prediction_drift: float = Field(
+        0.2, ge=0, le=1, description="L-infinity distance of predicted class frequencies vs the test split's."
+    )
+    confidence_threshold: float = Field(0.5, gt=0, lt=1, description="An answer below this top probability is unsure.")
+    max_low_confidence_increase: float = Field(
+        0.15, ge=0, le=1, description="Rise of the unsure answers' share above the test split's (0.15 = 15 points)."
+    )
+    min_examples: int = Field(200, ge=1, description="Fewer scored images than this: drift is reported, not judged.")
 
 
 class TrackingConfig(Section):
@@ -363,13 +395,14 @@ class PipelineConfig(Section):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     export: ExportConfig = ExportConfig()
+    monitor: MonitorConfig = MonitorConfig()
     tracking: TrackingConfig = TrackingConfig()
     trial: TrialLink | None = Field(None, description="Set by `cifar-search` only: the trial this run is.")
 
     def flat(self) -> dict[str, Any]:
         """Every field as `section.field` -> value, for logging as MLflow params."""
         flat: dict[str, Any] = {"preset": self.preset, "seed": self.seed}
-        for section in ("data", "validate", "train", "evaluate", "export", "tracking"):
+        for section in ("data", "validate", "train", "evaluate", "export", "monitor", "tracking"):
             for key, value in getattr(self, section).model_dump().items():
                 flat[f"{section}.{key}"] = value
         return flat

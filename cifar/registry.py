@@ -1,115 +1,59 @@
-"""The register stage: log the exported SavedModel to MLflow, register it, and gate the `champion` alias.
+"""The register stage: log the exported SavedModel to MLflow, register it, and judge it against the champion.
 
-The logged model is an MLflow pyfunc that wraps the verified SavedModel directory as an artifact and
-calls its `serving_default` signature, so `mlflow models serve -m models:/cifar10@champion` answers
-with exactly what TF Serving would: class ids, class names and probabilities. Its input contract
-(uint8 images [batch, 32, 32, 3], JSON integers 0..255) is enforced by `cifar.serving_contract`:
-anything else is refused with HTTP 400 and the contract in the message, never cast.
+The logged model is the pyfunc of `cifar/serving_model.py` (a model from code: loading a version runs
+that file, never unpickles an object), with the verified SavedModel directory as its artifact, so
+`mlflow models serve -m models:/cifar10@champion` answers with exactly what TF Serving would: class
+ids, class names and probabilities. Its input contract (uint8 images [batch, 32, 32, 3], JSON
+integers 0..255) is enforced by `cifar.serving_contract`.
 
-Promotion gate (the TFX "blessing"): a new version takes the `champion` alias only if its test
-accuracy is at least `export.min_accuracy` and at least the current champion's accuracy minus
-`export.tolerance`. Each version carries its accuracy as the tag `test_accuracy` for later gates.
-The registry needs a database-backed store (SQLite or a server), not a plain `file:` store.
+Promotion gate (the TFX "blessing"): the new version (the challenger) and the current champion are
+both loaded from the registry as serving loads them and score the same images, the snapshot's test
+split and its `new_data` slice; `cifar.comparison` decides from the paired results (accuracy,
+McNemar's exact test, per-class accuracy) with the thresholds of `export`. The full comparison is
+recorded on the version every time, promoted or not: the tag `promotion` (the decision), the
+artifact `promotion/comparison.json` of its run, and its description. Every move of the champion
+alias, by the gate or by hand (`flows/promote.py`), is appended to the registered model's
+`champion_history` tag, which a rollback reads. The registry needs a database-backed store.
 
-Registration is idempotent per export: every version is created with the tag `export_key` (the
-export stage's key, one per export directory), and the gate's decision is recorded on the version
-once taken. Registering the same export again returns the recorded decision; a version registered
-by an attempt that died before deciding gets its decision now. Versions and exports stay one-to-one.
+Registration is idempotent per export: every version is created with the tag `export_key`, and the
+decision is recorded on the version once taken. Registering the same export again returns the
+recorded decision; a version registered by an attempt that died before deciding gets its decision now.
 """
 
 from __future__ import annotations
 
+import getpass
+import json
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mlflow.pyfunc import PythonModel
 
 from cifar import failpoints, locks
-from cifar.champion import TrainedWith
+from cifar.champion import ACCURACY_TAG, CHAMPION_ALIAS, TrainedWith, find_champion
+from cifar.comparison import Comparison, compare
 from cifar.compat import raw_input_signature
 from cifar.config import PipelineConfig
-from cifar.data.manifest import IMAGE_SHAPE
-from cifar.export import INPUT_NAME, SERVING_SIGNATURE
+from cifar.data.drift import Profile, image_features
+from cifar.data.manifest import IMAGE_SHAPE, NEW_DATA_SLICE, load_manifest
+from cifar.monitoring import REFERENCE_TAG, MonitoringReference, answers_summary
 from cifar.results import ExportResult, PromotionResult
 from cifar.reuse import registration_key
-from cifar.serving_contract import validate_images
+from cifar.serving_model import SAVED_MODEL_ARTIFACT, SavedModelClassifier
 from cifar.tracking import ensure_experiment, finite_metrics, mlflow_client, resolve_tracking_uri, use_run
 
-CHAMPION_ALIAS = "champion"
-ACCURACY_TAG = "test_accuracy"
 EXPORT_KEY_TAG = "export_key"  # The export a version was registered from: one version per export.
 DECISION_TAG = "promotion"  # The gate's decision (a PromotionResult as JSON), set on a version once taken.
+HISTORY_TAG = "champion_history"  # On the registered model: every move of the alias, oldest first (JSON).
+HISTORY_LENGTH = 100  # Moves kept in the history.
 MODEL_ARTIFACT_NAME = "model"  # The logged model's name within the run.
-SAVED_MODEL_ARTIFACT = "saved_model"  # The key of the SavedModel directory among the pyfunc's artifacts.
+COMPARISON_ARTIFACT = "promotion/comparison.json"
+MODEL_CODE = Path(__file__).resolve().parent / "serving_model.py"
+SCORING_BATCH = 1000  # Images per predict call when the gate scores a model.
 
-
-class SavedModelClassifier(PythonModel):
-    """An MLflow pyfunc calling a SavedModel's serving_default on uint8 images (N, 32, 32, 3).
-
-    Its input is checked by `cifar.serving_contract.validate_images`: anything but integers 0..255
-    shaped [N, 32, 32, 3] is refused with the contract in the message (HTTP 400 when served).
-    """
-
-    def load_context(self, context) -> None:
-        self.load(context.artifacts[SAVED_MODEL_ARTIFACT])
-
-    def load(self, export_dir: str) -> SavedModelClassifier:
-        import tensorflow as tf
-
-        self._serve = tf.saved_model.load(export_dir).signatures[SERVING_SIGNATURE]
-        return self
-
-    def predict(self, context, model_input, params=None) -> dict[str, np.ndarray]:
-        import tensorflow as tf
-
-        images = validate_images(model_input)  # The serving contract: refuses (HTTP 400) rather than casts.
-        outputs = self._serve(**{INPUT_NAME: tf.constant(images)})
-        return {
-            "class_ids": outputs["class_ids"].numpy().astype(np.int64),
-            "class_names": np.array([name.decode("utf-8") for name in outputs["class_names"].numpy()]),
-            "probabilities": outputs["probabilities"].numpy().astype(np.float32),
-        }
-
-
-def promotion_decision(
-    test_accuracy: float,
-    champion_accuracy: float | None,
-    *,
-    min_accuracy: float,
-    tolerance: float,
-    champion_version: int | None = None,
-) -> tuple[bool, str]:
-    """Whether a model with `test_accuracy` should become champion, and why (or why not)."""
-    if test_accuracy < min_accuracy:
-        return False, f"test accuracy {test_accuracy:.4f} is below export.min_accuracy {min_accuracy:.4f}"
-    if champion_version is not None and champion_accuracy is None:
-        return False, f"the current champion v{champion_version} has no {ACCURACY_TAG} tag to compare with; keeping it"
-    if champion_accuracy is None:
-        return True, f"first champion: test accuracy {test_accuracy:.4f} >= export.min_accuracy {min_accuracy:.4f}"
-    floor = champion_accuracy - tolerance
-    if test_accuracy < floor:
-        return False, (
-            f"test accuracy {test_accuracy:.4f} is below the champion's {champion_accuracy:.4f} "
-            f"minus tolerance {tolerance:.4f}; keeping the champion v{champion_version}"
-        )
-    return True, (
-        f"test accuracy {test_accuracy:.4f} >= the champion's {champion_accuracy:.4f} "
-        f"minus tolerance {tolerance:.4f} (was v{champion_version})"
-    )
-
-
-def current_champion(client, model_name: str) -> tuple[int | None, float | None]:
-    """The version holding the champion alias and its stored test accuracy (None, None when there is none)."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        version = client.get_model_version_by_alias(model_name, CHAMPION_ALIAS)
-    except MlflowException:  # No such registered model, or no champion yet.
-        return None, None
-    value = version.tags.get(ACCURACY_TAG)
-    return int(version.version), (float(value) if value is not None else None)
+__all__ = ["CHAMPION_ALIAS", "SavedModelClassifier", "register_and_promote"]  # The class: pickled old versions.
 
 
 def pip_requirements() -> list[str]:
@@ -118,7 +62,7 @@ def pip_requirements() -> list[str]:
 
 
 def log_pyfunc_model(export_result: ExportResult, input_example: np.ndarray):
-    """Logs the SavedModel as a pyfunc with signature and input example; returns MLflow's ModelInfo."""
+    """Logs the SavedModel as a pyfunc from code, with signature and input example; returns MLflow's ModelInfo."""
     import mlflow
     from mlflow.models import infer_signature
 
@@ -127,7 +71,7 @@ def log_pyfunc_model(export_result: ExportResult, input_example: np.ndarray):
     signature = raw_input_signature(infer_signature(input_example, example_outputs))
     return mlflow.pyfunc.log_model(
         name=MODEL_ARTIFACT_NAME,
-        python_model=SavedModelClassifier(),
+        python_model=str(MODEL_CODE),
         artifacts={SAVED_MODEL_ARTIFACT: export_result.export_dir},
         signature=signature,
         input_example=input_example,
@@ -139,7 +83,8 @@ def log_pyfunc_model(export_result: ExportResult, input_example: np.ndarray):
 MODEL_DESCRIPTION = (
     "CIFAR-10 classifier. Input: uint8 images [batch, 32, 32, 3], integers 0-255 (JSON `inputs`). "
     "Output: class ids, class names and probabilities. The `champion` alias is the served version; "
-    "only the pipeline's promotion gate moves it."
+    "the promotion gate moves it (champion against challenger on the same images), or a person with "
+    "flows/promote.py, recorded in the tag champion_history."
 )
 
 
@@ -182,21 +127,19 @@ def recorded_decision(version, key: str) -> PromotionResult | None:
 def register_and_promote(
     config: PipelineConfig,
     export_result: ExportResult,
-    test_accuracy: float,
+    data_dir: str | Path,
     *,
     mlflow_run_id: str | None = None,
     tracking_uri: str | None = None,
     input_example: np.ndarray | None = None,
     trained_with: TrainedWith | None = None,
 ) -> PromotionResult:
-    """Logs and registers the exported model, then moves `champion` to it only if it passes the gate.
+    """Logs and registers the exported model, then judges it against the champion on `data_dir`'s test images.
 
     An export registered before (same `export_key` tag) is not registered again: its recorded
     decision is returned, or taken now if the earlier attempt died before taking it. Registrations
     of one export root take turns (a lock beside it), so two runs never register one export twice.
     """
-    if not 0 <= test_accuracy <= 1:
-        raise ValueError(f"test_accuracy must be in 0..1, got {test_accuracy}")
     workdir = Path(export_result.export_dir).resolve().parents[2]  # WORKDIR/export/<model>/<version>
     tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
     key = registration_key(config, export_result.key, tracking_uri)
@@ -216,11 +159,21 @@ def register_and_promote(
             if version is None:
                 model_info = log_pyfunc_model(export_result, _input_example(input_example))
                 model_uri = model_info.model_uri
-            number = None  # Registration disabled: the gate has nothing to move.
-            if register and version is None:
+            if not register:
+                result = PromotionResult(
+                    key=key,
+                    registered_model_version=None,
+                    champion=False,
+                    test_accuracy=export_result.verified_accuracy,
+                    champion_accuracy_before=None,
+                    model_uri=model_uri,
+                    reason="registration disabled (export.register_model is false)",
+                )
+                _log_decision(result)
+                return result
+            if version is None:
                 tags = {
                     EXPORT_KEY_TAG: export_result.key,
-                    ACCURACY_TAG: repr(float(test_accuracy)),
                     "export_version": str(export_result.version),
                     "export_dir": export_result.export_dir,
                     "epoch": str(export_result.epoch),
@@ -228,14 +181,11 @@ def register_and_promote(
                 }
                 number = register_version(client, model_name, model_info, tags)
                 failpoints.reached("register.registered")
-            elif register:  # Registered by an attempt that died before the gate decided.
+            else:  # Registered by an attempt that died before the gate decided.
                 number, model_uri = int(version.version), version.source
-            result = _gate(client, config, key, number, model_uri, test_accuracy)
-            _log_decision(result)
-            if number is not None:  # What the registry page shows beside the version.
-                verdict = "champion" if result.champion else "not promoted"
-                description = f"Test accuracy {100 * test_accuracy:.2f} %, {verdict}: {result.reason}"
-                client.update_model_version(model_name, str(number), description=description)
+            comparison, reference = judge(client, tracking_uri, config, number, data_dir)
+            client.set_model_version_tag(model_name, str(number), REFERENCE_TAG, reference.model_dump_json())
+            result = _record(client, config, key, number, model_uri, comparison)
     return result
 
 
@@ -245,38 +195,122 @@ def _input_example(input_example: np.ndarray | None) -> np.ndarray:
     return np.asarray(input_example, dtype=np.uint8)
 
 
-def _gate(
-    client, config: PipelineConfig, key: str, version: int | None, model_uri: str, test_accuracy: float
-) -> PromotionResult:
-    """Applies the promotion gate to the champion alias, then records the decision on the version (if any)."""
+def predicted_probabilities(model_uri: str, images: np.ndarray) -> np.ndarray:
+    """The probabilities (N, 10) of a registered model, loaded as serving loads it (its pyfunc), in batches."""
+    import mlflow
+
+    model = mlflow.pyfunc.load_model(model_uri)
+    batches = [
+        np.asarray(model.predict(images[start : start + SCORING_BATCH])["probabilities"])
+        for start in range(0, len(images), SCORING_BATCH)
+    ]
+    return np.concatenate(batches) if batches else np.zeros((0, 10), np.float32)
+
+
+def predicted_classes(model_uri: str, images: np.ndarray) -> np.ndarray:
+    """The class ids a registered model predicts (the argmax of its probabilities, as its serving does)."""
+    return predicted_probabilities(model_uri, images).argmax(axis=1)
+
+
+def judge(
+    client, tracking_uri: str, config: PipelineConfig, version: int, data_dir: str | Path
+) -> tuple[Comparison, MonitoringReference]:
+    """The challenger `version` against the current champion, on the test split and new_data slice of `data_dir`,
+    and the challenger's monitoring reference (its training images, its answers on the test split)."""
+    from cifar.compat import mlflow_tracking_uri
+    from cifar.evaluate import load_split, slice_examples
+
     model_name = config.export.model_name
-    champion_version, champion_accuracy = current_champion(client, model_name) if version else (None, None)
-    if champion_version == version:  # An earlier attempt moved the alias, then died before recording it.
-        champion_version, champion_accuracy = None, None
-    gate = config.export
-    promote, reason = promotion_decision(
-        test_accuracy,
-        champion_accuracy,
-        min_accuracy=gate.min_accuracy,
-        tolerance=gate.tolerance,
-        champion_version=champion_version,
+    manifest = load_manifest(data_dir)
+    images, labels = load_split(data_dir, "test")
+    new_data = slice_examples(data_dir, manifest, NEW_DATA_SLICE)
+    champion = find_champion(tracking_uri, model_name)
+    if champion is not None and champion.version == version:  # An earlier attempt moved the alias, then died.
+        champion = _previous_champion(client, model_name, version)
+    with mlflow_tracking_uri(tracking_uri):  # models:/ URIs resolve against this registry.
+        challenger_uri = f"models:/{model_name}/{version}"
+        probabilities = predicted_probabilities(challenger_uri, images)
+        challenger = (version, probabilities.argmax(axis=1))
+        champion_scores = None
+        if champion is not None:
+            champion_uri = f"models:/{model_name}/{champion.version}"
+            champion_scores = (champion.version, predicted_classes(champion_uri, images))
+        slice_scores = None
+        if new_data is not None:
+            slice_images, slice_labels = new_data
+            champion_slice = predicted_classes(champion_uri, slice_images) if champion is not None else None
+            slice_scores = (slice_labels, predicted_classes(challenger_uri, slice_images), champion_slice)
+    comparison = compare(
+        model_name, manifest.class_names, labels, challenger, champion_scores, config.export, new_data=slice_scores
     )
-    if version is None:
-        promote, reason = False, "registration disabled (export.register_model is false)"
-    elif promote:
+    return comparison, monitoring_reference(data_dir, probabilities, config.monitor.confidence_threshold)
+
+
+def monitoring_reference(data_dir: str | Path, test_probabilities: np.ndarray, threshold: float) -> MonitoringReference:
+    """The reference batch monitoring compares with: the training split's images, the answers on the test split."""
+    from cifar.evaluate import load_split
+
+    training_images, _ = load_split(data_dir, "train")
+    predictions, low = answers_summary(test_probabilities, threshold)
+    return MonitoringReference(
+        images=Profile.of(image_features(training_images)),
+        predictions=predictions,
+        low_confidence_share=low,
+        confidence_threshold=threshold,
+        test_examples=len(test_probabilities),
+    )
+
+
+def _previous_champion(client, model_name: str, version: int):
+    """The champion before `version` took the alias (from the history), for a decision taken again."""
+    from cifar.champion import Champion, TrainedWith
+
+    earlier = [move for move in champion_history(client, model_name) if move["version"] != version]
+    if not earlier:
+        return None
+    previous = client.get_model_version(model_name, str(earlier[-1]["version"]))
+    accuracy = previous.tags.get(ACCURACY_TAG)
+    return Champion(
+        model_name=model_name,
+        version=int(previous.version),
+        test_accuracy=float(accuracy) if accuracy is not None else None,
+        trained_with=TrainedWith.from_tags(previous.tags),
+    )
+
+
+def _record(client, config: PipelineConfig, key: str, version: int, model_uri: str, comparison: Comparison):
+    """Moves the alias if the comparison says so, then records the decision and the comparison on the version."""
+    import mlflow
+
+    model_name = config.export.model_name
+    if comparison.promote:
         client.set_registered_model_alias(model_name, CHAMPION_ALIAS, str(version))
+        append_history(client, model_name, version, how="gate", reason=comparison.reason)
+    champion = comparison.champion
     result = PromotionResult(
         key=key,
         registered_model_version=version,
-        champion=promote,
-        test_accuracy=test_accuracy,
-        champion_accuracy_before=champion_accuracy,
-        champion_version_before=champion_version,
+        champion=comparison.promote,
+        test_accuracy=comparison.challenger.accuracy,
+        champion_accuracy_before=champion.accuracy if champion else None,
+        champion_version_before=champion.version if champion else None,
         model_uri=model_uri,
-        reason=reason,
+        reason=comparison.reason,
+        rule=comparison.rule,
+        p_value=comparison.p_value,
+        comparison_artifact=COMPARISON_ARTIFACT,
+        comparison=comparison.model_dump(mode="json"),
     )
-    if version is not None:
-        client.set_model_version_tag(model_name, str(version), DECISION_TAG, result.model_dump_json(exclude={"reused"}))
+    mlflow.log_dict(comparison.model_dump(mode="json"), COMPARISON_ARTIFACT)
+    client.set_model_version_tag(model_name, str(version), ACCURACY_TAG, repr(comparison.challenger.accuracy))
+    client.set_model_version_tag(model_name, str(version), DECISION_TAG, result.model_dump_json(exclude={"reused"}))
+    verdict = "champion" if comparison.promote else "not promoted"
+    description = (
+        f"Test accuracy {100 * comparison.challenger.accuracy:.2f} %, {verdict} ({comparison.rule}): "
+        f"{comparison.reason}. Comparison: run artifact {COMPARISON_ARTIFACT}."
+    )
+    client.update_model_version(model_name, str(version), description=description)
+    _log_decision(result)
     return result
 
 
@@ -284,13 +318,105 @@ def _log_decision(result: PromotionResult) -> None:
     """The decision and both accuracies on the active run (tags and metrics: a run may register twice)."""
     import mlflow
 
-    tags: dict[str, Any] = {"promotion.champion": str(result.champion).lower(), "promotion.reason": result.reason}
+    tags: dict[str, Any] = {
+        "promotion.champion": str(result.champion).lower(),
+        "promotion.reason": result.reason[:5000],
+    }
     if result.registered_model_version is not None:
         tags["registry.model_version"] = str(result.registered_model_version)
     if result.champion_version_before is not None:
         tags["promotion.champion_version_before"] = str(result.champion_version_before)
+    if result.rule:
+        tags["promotion.rule"] = result.rule
     mlflow.set_tags(tags)
     metrics = {"promotion_test_accuracy": result.test_accuracy, "promotion_champion": float(result.champion)}
     if result.champion_accuracy_before is not None:
         metrics["promotion_champion_accuracy_before"] = result.champion_accuracy_before
+    if result.p_value is not None:
+        metrics["promotion_p_value"] = result.p_value
     mlflow.log_metrics(finite_metrics(metrics))
+
+
+# The champion's history: every move of the alias, for audits and rollbacks.
+
+
+def champion_history(client, model_name: str) -> list[dict[str, Any]]:
+    """Every move of the champion alias, oldest first: version, at, by, how (gate, override, rollback), reason."""
+    try:
+        model = client.get_registered_model(model_name)
+    except Exception:  # No such model yet.
+        return []
+    return json.loads(model.tags.get(HISTORY_TAG, "[]"))
+
+
+def append_history(client, model_name: str, version: int, *, how: str, reason: str, by: str | None = None) -> None:
+    """Records one move of the alias on the registered model (the last HISTORY_LENGTH moves are kept)."""
+    move = {
+        "version": version,
+        "at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "by": by or _user(),
+        "how": how,
+        "reason": reason[:500],
+    }
+    history = [*champion_history(client, model_name), move][-HISTORY_LENGTH:]
+    client.set_registered_model_tag(model_name, HISTORY_TAG, json.dumps(history))
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # No name for this uid (a container).
+        return "unknown"
+
+
+# Overrides by a person: move the alias to a version the gate refused, or back to the previous champion.
+
+OVERRIDE_TAG = "override"  # On a version the alias was moved to by hand: who, when, why (JSON).
+
+
+def promote_by_hand(
+    tracking_uri: str,
+    model_name: str,
+    version: int | None,
+    reason: str,
+    *,
+    rollback: bool = False,
+    by: str | None = None,
+) -> dict[str, Any]:
+    """Moves the champion alias to `version` (or, with `rollback`, to the champion before the current one).
+
+    Records who, when and why on the version (tag `override`) and in the champion history; returns
+    that record. The gate's own decision on the version stays as it was.
+    """
+    if not reason.strip():
+        raise ValueError("a reason is required: it is recorded with the override for whoever reads the registry")
+    client = mlflow_client(tracking_uri)
+    current = find_champion(tracking_uri, model_name)
+    if rollback:
+        version = _rollback_target(client, model_name, current.version if current else None)
+    elif version is None:
+        raise ValueError("give the version to promote, or ask for a rollback")
+    target = client.get_model_version(model_name, str(version))  # Raises for an unknown version.
+    how = "rollback" if rollback else "override"
+    record = {
+        "how": how,
+        "version": int(target.version),
+        "previous_champion": current.version if current else None,
+        "by": by or _user(),
+        "at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "reason": reason.strip()[:500],
+    }
+    client.set_registered_model_alias(model_name, CHAMPION_ALIAS, str(version))
+    client.set_model_version_tag(model_name, str(version), OVERRIDE_TAG, json.dumps(record))
+    append_history(client, model_name, int(version), how=how, reason=record["reason"], by=record["by"])
+    return record
+
+
+def _rollback_target(client, model_name: str, current: int | None) -> int:
+    """The version that held the alias before the current champion got it (from the history)."""
+    history = champion_history(client, model_name)
+    made_current = max((index for index, move in enumerate(history) if move["version"] == current), default=None)
+    earlier = [move for move in history[: made_current or 0] if move["version"] != current]
+    if current is None or not earlier:
+        raise ValueError(f"no earlier champion of {model_name} to roll back to (history: {len(history)} moves)")
+    return int(earlier[-1]["version"])

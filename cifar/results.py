@@ -117,3 +117,7 @@ class PromotionResult(StageResult):
     champion_version_before: int | None = None
     model_uri: str | None = None  # The logged model (models:/<model id>).
     reason: str
+    rule: str = ""  # The gate's rule that decided (cifar.comparison.decide).
+    p_value: float | None = None  # McNemar's exact test against the champion.
+    comparison_artifact: str | None = None  # Where the run keeps the full comparison.
+    comparison: dict | None = None  # The full comparison (cifar.comparison.Comparison) as JSON values.

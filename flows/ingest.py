@@ -40,10 +40,11 @@ from cifar.data.additions import RESIZE_METHODS  # noqa: E402
 from cifar.data.checks import DataValidationError  # noqa: E402
 from cifar.data.download import fetch_archive  # noqa: E402
 from cifar.data.ingest import IngestResult, describe_snapshots, ingest_addition, remove_addition  # noqa: E402
-from cifar.data.snapshots import DataStore  # noqa: E402
+from cifar.data.snapshots import DataStore, workdir_base  # noqa: E402
 from cifar.results import ArchiveInfo  # noqa: E402
 from cifar.tracking import resolve_tracking_uri  # noqa: E402
 from cifar.workdir import downloads_dir  # noqa: E402
+from flows.pipeline import dry_run_plan  # noqa: E402
 from tasks.validation import publish_validation  # noqa: E402
 
 DATA_ADDED_EVENT = "cifar.data.added"  # prefect.yaml's retrain trigger expects this name.
@@ -54,14 +55,12 @@ def base_archive(config: PipelineConfig, overrides: ConfigOverrides, workdir: Pa
     """The verified base archive: the one given, else the base of the workdir's newest snapshot."""
     data = config.data
     if overrides.data.source is None:
-        snapshots = DataStore(workdir).snapshots()
-        if not snapshots:
+        if DataStore(workdir).newest_base() is None:
             raise ValueError(
                 f"no data snapshot in {workdir} yet: give the base archive (--source and --sha256), "
                 "or run the pipeline once"
             )
-        newest = snapshots[-1]
-        data = data.model_copy(update={"source": newest.base_source, "sha256": newest.base_sha256, "md5": None})
+        data = workdir_base(data, workdir)
     return fetch_archive(
         data.source, downloads_dir(workdir), sha256=data.sha256, md5=data.expected_md5(), retries=data.download_retries
     )
@@ -113,6 +112,9 @@ def ingest(
     """
     overrides = config
     config = overrides.resolve()
+    plan = dry_run_plan("cifar-ingest", config, workdir, path=path, resize=resize)
+    if plan:
+        return plan
     workdir = str(resolve_workdir(workdir))
     archive = base_archive(config, overrides, Path(workdir))
     result = ingest_task(config, path, workdir, archive, resize)

@@ -101,7 +101,7 @@ def show_stage_logs() -> None:
             logger.setLevel(logging.INFO)
 
 
-def dry_run_plan(flow_name: str, config: PipelineConfig, workdir: str, **details: Any) -> dict[str, Any] | None:
+def dry_run_plan(flow_name: str, config: PipelineConfig | None, workdir: str, **details: Any) -> dict[str, Any] | None:
     """With CIFAR_DRY_RUN=DIR set on the worker: the run's resolved plan, written to DIR/<flow run id>/summary.json.
 
     A worker started this way checks what deployments and forms would run (their resolved config,
@@ -114,9 +114,11 @@ def dry_run_plan(flow_name: str, config: PipelineConfig, workdir: str, **details
     run_id = flow_run.get_id() or "local"
     plan = {"dry_run": True, "flow": flow_name, "flow_run_id": run_id, "workdir": str(Path(workdir).resolve())}
     plan["deployment_id"] = deployment.get_id() or flow_run.get_parent_deployment_id()
-    plan |= {"preset": config.preset, "config": config.model_dump(mode="json"), **details}
+    if config is not None:
+        plan |= {"preset": config.preset, "config": config.model_dump(mode="json")}
+    plan |= details
     plan["summary_path"] = str(atomic_write_json(Path(directory) / run_id / "summary.json", plan))
-    print(f"Dry run ({DRY_RUN_ENV}): resolved config of preset {config.preset} written to {plan['summary_path']}")
+    print(f"Dry run ({DRY_RUN_ENV}): the resolved plan of {flow_name} written to {plan['summary_path']}")
     return plan
 
 

@@ -9,7 +9,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from prefect import task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 from cifar.io import atomic_write_json, read_json
 from cifar.tracking import UI_MODE_QUERY, mlflow_client, runs_table_url
@@ -242,3 +247,71 @@ def write_summary(summary: dict[str, Any], workdir: str) -> str:
     if summary.get("run_dir"):
         atomic_write_json(Path(summary["run_dir"]) / "summary.json", summary)
     return str(atomic_write_json(summary_path(Path(workdir)), summary))
+
+
+def comparison_markdown(comparison: dict[str, Any]) -> str:
+    """The gate's comparison as a person reads it: the decision, both models' numbers, the per-class table."""
+    challenger, champion = comparison["challenger"], comparison.get("champion")
+    verdict = "promoted" if comparison["promote"] else "not promoted"
+    champion_version = f"v{champion['version']}" if champion else "-"
+    lines = [
+        f"# Challenger v{challenger['version']}: {verdict} ({comparison['rule']})",
+        "",
+        comparison["reason"],
+        "",
+        "| | challenger | champion |",
+        "|---|---:|---:|",
+        f"| version | v{challenger['version']} | {champion_version} |",
+        f"| test accuracy ({comparison['examples']:,} images) | {_percent(challenger['accuracy'])} | "
+        f"{_percent(champion['accuracy']) if champion else '-'} |",
+    ]
+    if comparison.get("new_data_examples"):
+        lines.append(
+            f"| new data accuracy ({comparison['new_data_examples']:,} images) | "
+            f"{_percent(challenger.get('new_data_accuracy'))} | "
+            f"{_percent(champion.get('new_data_accuracy')) if champion else '-'} |"
+        )
+    if champion:
+        lines += [
+            f"| right only for this model | {comparison['challenger_only']} | {comparison['champion_only']} |",
+            "",
+            f"McNemar's exact test on the {comparison['challenger_only'] + comparison['champion_only']} images where "
+            f"they disagree: p = {comparison['p_value']:.4g}. Largest class drop: "
+            f"{comparison['largest_drop_class']} {100 * comparison['largest_class_drop']:+.2f} points.",
+        ]
+    thresholds = ", ".join(f"{name} {value:g}" for name, value in comparison["thresholds"].items())
+    lines += [
+        "",
+        f"Thresholds: {thresholds}.",
+        "",
+        "| class | champion | challenger | difference |",
+        "|---|---:|---:|---:|",
+    ]
+    for index, name in enumerate(comparison["class_names"]):
+        mine = challenger["per_class"][index]
+        theirs = champion["per_class"][index] if champion else None
+        difference = f"{100 * (mine - theirs):+.2f}" if theirs is not None else "-"
+        lines.append(f"| {name} | {_percent(theirs) or '-'} | {_percent(mine)} | {difference} |")
+    return "\n".join(lines) + "\n"
+
+
+def publish_comparison(result) -> None:
+    """The gate's comparison as Prefect artifacts: the decision (markdown) and the per-class table."""
+    comparison = result.comparison
+    if not comparison:
+        return
+    try:
+        create_markdown_artifact(
+            comparison_markdown(comparison), key="cifar-comparison", description="Champion against challenger"
+        )
+        rows = [
+            {
+                "class": name,
+                "champion": _percent(comparison["champion"]["per_class"][index]) if comparison.get("champion") else "-",
+                "challenger": _percent(comparison["challenger"]["per_class"][index]),
+            }
+            for index, name in enumerate(comparison["class_names"])
+        ]
+        create_table_artifact(rows, key="cifar-comparison-per-class", description=comparison["reason"][:500])
+    except Exception as error:  # No API (a bare `.fn()` call in a test).
+        logger.debug("Comparison artifacts not published: %s", error)

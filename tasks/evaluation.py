@@ -12,6 +12,7 @@ from cifar.quiet import import_tensorflow
 from cifar.results import DataResult, EvaluationResult, ExportResult, PromotionResult, TrainResult
 from cifar.reuse import evaluation_key, export_key, registration_key
 from cifar.workdir import find_export
+from tasks.artifacts import publish_comparison
 from tasks.caching import stage_task
 
 
@@ -79,6 +80,6 @@ def register_model(
     from cifar.registry import register_and_promote
 
     trained_with = TrainedWith.of(config, dataset, training)  # Recorded on the version: what made it.
-    return register_and_promote(
-        config, export, evaluation.test_accuracy, **logged_to(training), trained_with=trained_with
-    )
+    result = register_and_promote(config, export, dataset.data_dir, **logged_to(training), trained_with=trained_with)
+    publish_comparison(result)
+    return result

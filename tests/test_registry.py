@@ -1,27 +1,39 @@
-"""Registry stage: with a real SQLite MLflow store, expect the champion alias to move only through the gate."""
+"""Registry stage: with a real SQLite MLflow store and real SavedModels, expect the champion alias to move only
+as the gate's comparison on the same test images says, or by a person, with the record to show why."""
 
 from __future__ import annotations
 
 import json
+import warnings
 
 import mlflow
 import numpy as np
 import pytest
+import tensorflow as tf
 from test_evaluate import prepare_fixture_data, write_checkpoints
 
 from cifar.config import make_config
 from cifar.evaluate import evaluate, load_split
-from cifar.export import export_model, serving_outputs
-from cifar.registry import CHAMPION_ALIAS, promotion_decision, register_and_promote
+from cifar.export import INPUT_NAME, SERVING_SIGNATURE, export_model, serving_outputs
+from cifar.registry import (
+    CHAMPION_ALIAS,
+    COMPARISON_ARTIFACT,
+    HISTORY_TAG,
+    champion_history,
+    promote_by_hand,
+    register_and_promote,
+)
+
+SUPPRESSED_CLASS = 3  # The class the deliberately worse model never predicts.
 
 
 @pytest.fixture(scope="module")
 def exported(python_archive, tmp_path_factory) -> dict:
-    """One verified export of a tiny model and the SQLite store beside it."""
+    """One verified export of a tiny model, a copy that never predicts one class, and the SQLite store."""
     workdir = tmp_path_factory.mktemp("registry")
     data_dir = prepare_fixture_data(python_archive, workdir)
     checkpoint_dir = workdir / "runs" / "tiny" / "checkpoints"
-    write_checkpoints(data_dir, checkpoint_dir, epochs=1)
+    write_checkpoints(data_dir, checkpoint_dir, epochs=2)
     config = make_config(
         "default",
         {
@@ -32,19 +44,43 @@ def exported(python_archive, tmp_path_factory) -> dict:
     )
     evaluation = evaluate(config, data_dir, checkpoint_dir, workdir, mlflow_run_id=None, tracking_uri=None)
     result = export_model(config, data_dir, checkpoint_dir, workdir, evaluation, mlflow_run_id=None, tracking_uri=None)
-    images, _ = load_split(data_dir, "test")
+    images, labels = load_split(data_dir, "test")
+    worse_dir = workdir / "worse-saved-model"
+    save_without_class(result.export_dir, worse_dir, SUPPRESSED_CLASS)
     return {
         "workdir": workdir,
+        "data_dir": data_dir,
         "config": config,
         "export": result,
+        "worse_export": result.model_copy(update={"export_dir": str(worse_dir), "key": "export-worse"}),
         "images": images,
+        "labels": labels,
         "tracking_uri": config.tracking.tracking_uri,
     }
 
 
-def as_export(exported: dict, number: int):
+def save_without_class(export_dir: str, target, class_id: int) -> None:
+    """A SavedModel with `export_dir`'s serving signature whose answers never name `class_id`."""
+    module = tf.Module()
+    module.original = tf.saved_model.load(export_dir)  # Kept alive: its signature reads its variables.
+    serve = module.original.signatures[SERVING_SIGNATURE]
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 32, 32, 3], tf.uint8, name=INPUT_NAME)])
+    def without_class(images):
+        outputs = serve(**{INPUT_NAME: images})
+        probabilities = outputs["probabilities"] * (1.0 - tf.one_hot(class_id, 10))
+        class_ids = tf.argmax(probabilities, axis=1, output_type=tf.int64)
+        names = tf.constant(["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"])
+        return {"class_ids": class_ids, "class_names": tf.gather(names, class_ids), "probabilities": probabilities}
+
+    module.without_class = without_class
+    tf.saved_model.save(module, str(target), signatures={SERVING_SIGNATURE: without_class})
+
+
+def as_export(exported: dict, number: int, worse: bool = False):
     """The fixture's export under a key of its own: each registration below stands for another export."""
-    return exported["export"].model_copy(update={"key": f"export-{number}"})
+    export = exported["worse_export" if worse else "export"]
+    return export.model_copy(update={"key": f"export-{number}"})
 
 
 def new_run(tracking_uri: str, workdir) -> str:
@@ -58,104 +94,126 @@ def new_run(tracking_uri: str, workdir) -> str:
     return client.create_run(experiment_id).info.run_id
 
 
-def test_gate_promotes_first_and_better_models_and_keeps_the_champion_against_worse(exported, monkeypatch):
-    tracking_uri, workdir, config = exported["tracking_uri"], exported["workdir"], exported["config"]
+def register(exported: dict, number: int, *, worse: bool = False, config=None, run_id: str | None = None):
+    tracking_uri, workdir = exported["tracking_uri"], exported["workdir"]
+    return register_and_promote(
+        config or exported["config"],
+        as_export(exported, number, worse),
+        exported["data_dir"],
+        mlflow_run_id=run_id or new_run(tracking_uri, workdir),
+        tracking_uri=tracking_uri,
+        input_example=exported["images"][:3],
+    )
+
+
+def champion_version(client) -> int:
+    return int(client.get_model_version_by_alias("cifar10", CHAMPION_ALIAS).version)
+
+
+def test_the_gate_judges_challenger_and_champion_on_the_same_images(exported, monkeypatch):
+    tracking_uri = exported["tracking_uri"]
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    images = exported["images"][:3]
+    labels = exported["labels"]
+    expected = serving_outputs(exported["export"].export_dir, exported["images"], batch_size=200)["class_ids"]
+    accuracy = float(np.mean(expected == labels))
 
-    first_run = new_run(tracking_uri, workdir)
-    first = register_and_promote(
-        config, as_export(exported, 1), 0.50, mlflow_run_id=first_run, tracking_uri=tracking_uri, input_example=images
-    )
-    assert first.registered_model_version == 1 and first.champion and first.champion_accuracy_before is None
-    assert int(client.get_model_version_by_alias("cifar10", CHAMPION_ALIAS).version) == 1
-    assert client.get_model_version("cifar10", "1").tags["test_accuracy"] == "0.5"
-    run = client.get_run(first_run)
-    assert run.data.tags["promotion.champion"] == "true" and run.data.metrics["promotion_test_accuracy"] == 0.5
+    with warnings.catch_warnings():  # Logging a model from code: no CloudPickle and no type-hint warning.
+        warnings.simplefilter("error", UserWarning)
+        first = register(exported, 1)
+    assert first.registered_model_version == 1 and first.champion and first.rule == "passed"
+    assert first.champion_accuracy_before is None and "first champion" in first.reason
+    assert first.test_accuracy == pytest.approx(accuracy)  # Scored through the registry, as serving loads it.
+    assert champion_version(client) == 1
 
-    worse = register_and_promote(
-        config,
-        as_export(exported, 2),
-        0.40,
-        mlflow_run_id=new_run(tracking_uri, workdir),
-        tracking_uri=tracking_uri,
-        input_example=images,
-    )
-    assert worse.registered_model_version == 2 and not worse.champion
-    assert worse.champion_accuracy_before == 0.5 and "keeping the champion v1" in worse.reason
-    assert int(client.get_model_version_by_alias("cifar10", CHAMPION_ALIAS).version) == 1
+    # The same model again: identical answers, a tie, promoted (a challenger need not beat the champion).
+    same_run = new_run(tracking_uri, exported["workdir"])
+    same = register(exported, 2, run_id=same_run)
+    comparison = same.comparison
+    assert same.champion and same.rule == "passed" and champion_version(client) == 2
+    assert comparison["examples"] == len(labels) == 200
+    assert comparison["champion"]["version"] == 1 and comparison["challenger"]["version"] == 2
+    assert comparison["champion"]["accuracy"] == comparison["challenger"]["accuracy"] == pytest.approx(accuracy)
+    assert (comparison["challenger_only"], comparison["champion_only"], comparison["p_value"]) == (0, 0, 1.0)
+    artifact = client.download_artifacts(same_run, COMPARISON_ARTIFACT, str(exported["workdir"] / "downloaded"))
+    assert json.loads(open(artifact).read()) == comparison
 
-    better_run = new_run(tracking_uri, workdir)
-    better = register_and_promote(
-        config, as_export(exported, 3), 0.60, mlflow_run_id=better_run, tracking_uri=tracking_uri, input_example=images
-    )
-    assert better.registered_model_version == 3 and better.champion and better.champion_accuracy_before == 0.5
-    assert int(client.get_model_version_by_alias("cifar10", CHAMPION_ALIAS).version) == 3
-    run = client.get_run(better_run)
-    assert run.data.metrics["promotion_champion_accuracy_before"] == 0.5
-    assert run.data.tags["registry.model_version"] == "3"
+    # A model that never names one class: worse on that class beyond the limit, refused for that reason.
+    worse = register(exported, 3, worse=True)
+    drop = worse.comparison["largest_class_drop"]
+    cats = labels == SUPPRESSED_CLASS
+    assert drop == pytest.approx(np.mean(expected[cats] == SUPPRESSED_CLASS)) and drop > 0.05
+    assert not worse.champion and worse.rule == "class_drop" and champion_version(client) == 2
+    assert worse.reason.startswith(f"class cat drops {100 * drop:.2f} points, more than export.max_class_drop 5.00")
+    version = client.get_model_version("cifar10", "3")
+    assert json.loads(version.tags["promotion"])["rule"] == "class_drop"
+    assert version.description.startswith("Test accuracy") and "not promoted (class_drop)" in version.description
+    assert worse.comparison["champion_only"] > 0  # The cats it no longer names (others it now gets right).
 
-    strict = config.model_copy(update={"export": config.export.model_copy(update={"min_accuracy": 0.99})})
-    below_minimum = register_and_promote(
-        strict,
-        as_export(exported, 4),
-        0.70,
-        mlflow_run_id=new_run(tracking_uri, workdir),
-        tracking_uri=tracking_uri,
-        input_example=images,
+    strict = exported["config"].model_copy(
+        update={"export": exported["config"].export.model_copy(update={"min_accuracy": 0.999})}
     )
-    assert not below_minimum.champion and "min_accuracy" in below_minimum.reason
-    unregistered = config.model_copy(update={"export": config.export.model_copy(update={"register_model": False})})
-    skipped = register_and_promote(
-        unregistered,
-        as_export(exported, 5),
-        0.90,
-        mlflow_run_id=new_run(tracking_uri, workdir),
-        tracking_uri=tracking_uri,
-        input_example=images,
+    below_minimum = register(exported, 4, config=strict)
+    assert not below_minimum.champion and below_minimum.rule == "min_accuracy"
+    unregistered = exported["config"].model_copy(
+        update={"export": exported["config"].export.model_copy(update={"register_model": False})}
     )
+    skipped = register(exported, 5, config=unregistered)
     assert skipped.registered_model_version is None and not skipped.champion and skipped.model_uri
-    assert int(client.get_model_version_by_alias("cifar10", CHAMPION_ALIAS).version) == 3
+    assert champion_version(client) == 2
+    assert [move["version"] for move in champion_history(client, "cifar10")] == [1, 2]
 
-    # The registered champion, loaded the way a server loads it, answers like the SavedModel.
+    # The registered champion, loaded the way a server loads it, answers like the SavedModel, and its
+    # model is code (cifar/serving_model.py, copied beside it), not a pickled object.
     monkeypatch.setenv("MLFLOW_REGISTRY_URI", tracking_uri)  # Through the environment, so it is undone after the test.
     loaded = mlflow.pyfunc.load_model("models:/cifar10@champion")
     predictions = loaded.predict(exported["images"][:16])
-    expected = serving_outputs(exported["export"].export_dir, exported["images"][:16], batch_size=16)
-    np.testing.assert_array_equal(predictions["class_ids"], expected["class_ids"])
-    np.testing.assert_allclose(predictions["probabilities"], expected["probabilities"], atol=1e-6)
-    assert loaded.metadata.get_input_schema() is not None and loaded.metadata.get_output_schema() is not None
+    reference = serving_outputs(exported["export"].export_dir, exported["images"][:16], batch_size=16)
+    np.testing.assert_array_equal(predictions["class_ids"], reference["class_ids"])
+    np.testing.assert_allclose(predictions["probabilities"], reference["probabilities"], atol=1e-6)
+    flavor = loaded.metadata.flavors["python_function"]
+    assert flavor["loader_module"] == "mlflow.pyfunc.loaders.code_model" and "python_model" not in flavor
 
 
 def test_registering_an_export_again_returns_its_version_and_decision(exported):
-    tracking_uri, workdir, config = exported["tracking_uri"], exported["workdir"], exported["config"]
-    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-    export = exported["export"].model_copy(update={"key": "export-registered-twice"})
-    first = register_and_promote(
-        config, export, 0.55, mlflow_run_id=new_run(tracking_uri, workdir), tracking_uri=tracking_uri
-    )
+    client = mlflow.MlflowClient(tracking_uri=exported["tracking_uri"])
+    first = register(exported, 10)
     count = len(client.search_model_versions("name = 'cifar10'"))
-    again = register_and_promote(
-        config, export, 0.55, mlflow_run_id=new_run(tracking_uri, workdir), tracking_uri=tracking_uri
-    )
+    again = register(exported, 10)
     assert again.reused and again.model_dump(exclude={"reused"}) == first.model_dump(exclude={"reused"})
     assert len(client.search_model_versions("name = 'cifar10'")) == count
 
     # An attempt that registered the version and died before the gate decided: the decision is taken now.
     version = str(first.registered_model_version)
     client.delete_model_version_tag("cifar10", version, "promotion")
-    decided = register_and_promote(
-        config, export, 0.55, mlflow_run_id=new_run(tracking_uri, workdir), tracking_uri=tracking_uri
-    )
+    decided = register(exported, 10)
     assert not decided.reused and decided.registered_model_version == first.registered_model_version
     assert json.loads(client.get_model_version("cifar10", version).tags["promotion"])["champion"] == decided.champion
     assert len(client.search_model_versions("name = 'cifar10'")) == count
 
 
-def test_promotion_decision_rules():
-    assert promotion_decision(0.3, None, min_accuracy=0.5, tolerance=0.0)[0] is False
-    assert promotion_decision(0.6, None, min_accuracy=0.5, tolerance=0.0)[0] is True
-    assert promotion_decision(0.69, 0.70, min_accuracy=0.0, tolerance=0.02, champion_version=1)[0] is True
-    assert promotion_decision(0.67, 0.70, min_accuracy=0.0, tolerance=0.02, champion_version=1)[0] is False
-    promote, reason = promotion_decision(0.9, None, min_accuracy=0.0, tolerance=0.0, champion_version=4)
-    assert not promote and "v4" in reason
+def test_a_person_promotes_a_refused_version_and_rolls_back_with_the_record(exported):
+    tracking_uri = exported["tracking_uri"]
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+    champion = register(exported, 20)  # Promoted (a tie with the champion).
+    refused = register(exported, 21, worse=True)
+    assert champion.champion and not refused.champion
+    before = champion_version(client)
+
+    record = promote_by_hand(
+        tracking_uri, "cifar10", refused.registered_model_version, "customers need it today", by="alice"
+    )
+    assert champion_version(client) == refused.registered_model_version
+    tag = json.loads(client.get_model_version("cifar10", str(refused.registered_model_version)).tags["override"])
+    assert tag == record and (tag["how"], tag["by"], tag["reason"]) == ("override", "alice", "customers need it today")
+    assert tag["previous_champion"] == before and tag["at"].endswith("Z")
+
+    rolled = promote_by_hand(tracking_uri, "cifar10", None, "class cat broke in production", rollback=True, by="bob")
+    assert champion_version(client) == before and rolled["previous_champion"] == refused.registered_model_version
+    history = json.loads(client.get_registered_model("cifar10").tags[HISTORY_TAG])
+    assert [(move["version"], move["how"], move["by"]) for move in history[-2:]] == [
+        (refused.registered_model_version, "override", "alice"),
+        (before, "rollback", "bob"),
+    ]
+    with pytest.raises(ValueError, match="a reason is required"):
+        promote_by_hand(tracking_uri, "cifar10", before, "  ")
+    assert champion_version(client) == before

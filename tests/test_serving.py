@@ -77,7 +77,7 @@ def test_mlflow_models_serve_answers_like_the_saved_model(python_archive, tmp_pa
     )
     images, _ = load_split(data_dir, "test")
     promotion = register_and_promote(
-        config, exported, evaluation.test_accuracy, mlflow_run_id=None, tracking_uri=None, input_example=images[:2]
+        config, exported, data_dir, mlflow_run_id=None, tracking_uri=None, input_example=images[:2]
     )
     assert promotion.champion and promotion.registered_model_version == 1
 

@@ -27,6 +27,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from cifar import locks
+from cifar.config import DataConfig
 from cifar.data.additions import Addition, FileProblem
 from cifar.data.analysis import PartAnalysis, addition_analysis
 from cifar.data.manifest import NUM_CLASSES
@@ -261,8 +262,26 @@ class DataStore:
             )
         return record
 
+    def newest_base(self) -> tuple[str, str] | None:
+        """(source, sha256) of the archive of the snapshot recorded last, or None when there is none."""
+        snapshots = self.snapshots()
+        return (snapshots[-1].base_source, snapshots[-1].base_sha256) if snapshots else None
+
     def validation_report_path(self, key: str) -> Path:
         return self.snapshots_dir / f"{key}.validation.json"
 
     def rejected_report_path(self, digest: str) -> Path:
         return self.rejected_dir / f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{digest[:12]}.json"
+
+
+def workdir_base(data: DataConfig, workdir: str | Path) -> DataConfig:
+    """`data` with the workdir's archive (that of its newest snapshot) as the source, when it has one.
+
+    For the flows that act on a workdir's data (ingest, retrain) when no archive was given: the base
+    archive the workdir's snapshots extend, not the preset's default.
+    """
+    newest = DataStore(workdir).newest_base()
+    if newest is None:
+        return data
+    source, sha256 = newest
+    return data.model_copy(update={"source": source, "sha256": sha256, "md5": None})

@@ -1,0 +1,100 @@
+"""The promotion gate's decision rule on known tables: McNemar's exact test and each rule in its turn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cifar.comparison import compare, mcnemar_exact
+from cifar.config import ExportConfig
+
+CLASSES = [f"class{index}" for index in range(10)]
+
+
+def test_mcnemar_exact_on_known_tables():
+    # The exact test is the two-sided binomial test on the discordant pairs (b, c) with p = 1/2.
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(7, 3) == pytest.approx(0.34375)  # 2 * P(X <= 3), X ~ Bin(10, 1/2) = 2 * 176/1024.
+    assert mcnemar_exact(10, 0) == pytest.approx(2 / 1024)
+    assert mcnemar_exact(3, 7) == mcnemar_exact(7, 3)
+    assert mcnemar_exact(25, 5) == pytest.approx(0.000324, rel=1e-2)
+
+
+def predictions(labels: np.ndarray, wrong: np.ndarray) -> np.ndarray:
+    """`labels` with the images at `wrong` misclassified (as the next class)."""
+    predicted = labels.copy()
+    predicted[wrong] = (labels[wrong] + 1) % 10
+    return predicted
+
+
+LABELS = np.arange(1000) % 10  # 100 images per class.
+
+
+def decide(challenger_wrong, champion_wrong, **gate):
+    return compare(
+        "m",
+        CLASSES,
+        LABELS,
+        (2, predictions(LABELS, np.asarray(challenger_wrong, int))),
+        (1, predictions(LABELS, np.asarray(champion_wrong, int))) if champion_wrong is not None else None,
+        ExportConfig(**gate),
+    )
+
+
+def test_a_first_champion_needs_only_the_minimum_accuracy():
+    assert decide(range(300), None, min_accuracy=0.6).promote
+    refused = decide(range(500), None, min_accuracy=0.6)
+    assert (
+        not refused.promote and refused.rule == "min_accuracy" and "below export.min_accuracy 60.00 %" in refused.reason
+    )
+
+
+def test_each_rule_decides_in_turn():
+    spread = list(range(0, 1000, 7))[:100]  # 100 errors spread over every class.
+    # A tie: same errors, p = 1, promoted (min_improvement 0).
+    tie = decide(spread, spread)
+    assert tie.promote and tie.rule == "passed" and tie.p_value == 1.0 and tie.difference == 0.0
+
+    # 30 more errors, all in class 3: a class drop of 30 points decides before anything else.
+    class_three = [index for index in range(1000) if index % 10 == 3][:30]
+    challenger_errors = set(spread) | set(class_three)
+    dropped = decide(sorted(challenger_errors), spread)
+    new_class_three_errors = len(challenger_errors - set(spread))  # All of them in class 3.
+    assert not dropped.promote and dropped.rule == "class_drop" and dropped.largest_drop_class == "class3"
+    assert dropped.largest_class_drop == pytest.approx(new_class_three_errors / 100)
+
+    # 30 more errors spread over the classes (no class loses more than 5 points): significantly worse.
+    unused = [index for index in range(1000) if index not in set(spread)]
+    more = [index for class_id in range(10) for index in [i for i in unused if i % 10 == class_id][:3]]
+    worse = decide(sorted(set(spread) | set(more)), spread)
+    assert worse.champion_only == 30 and worse.challenger_only == 0 and worse.p_value < 0.05
+    assert not worse.promote and worse.rule == "significantly_worse"
+
+    # 3 more errors: not significant, but below a required improvement of 0 ...
+    slightly = decide(sorted(set(spread) | set(more[:3])), spread)
+    assert slightly.p_value > 0.05 and not slightly.promote and slightly.rule == "improvement"
+    # ... and within a tolerance of 0.5 points.
+    assert decide(sorted(set(spread) | set(more[:3])), spread, min_improvement=-0.005).promote
+
+    # A gain must be significant when one is required: 3 fewer errors is not, 30 fewer is.
+    better = decide(spread[3:], spread, min_improvement=0.001)
+    assert not better.promote and better.rule == "improvement" and "not significant" in better.reason
+    much_better = decide(spread[30:], spread, min_improvement=0.001)
+    assert much_better.promote and much_better.challenger_only == 30 and much_better.p_value < 0.05
+
+
+def test_the_comparison_reports_both_models_per_class_and_on_new_data():
+    new_labels = np.array([0, 1, 2, 3])
+    comparison = compare(
+        "m",
+        CLASSES,
+        LABELS,
+        (2, LABELS.copy()),
+        (1, predictions(LABELS, np.arange(0, 1000, 10))),  # The champion gets every class-0 image wrong.
+        ExportConfig(),
+        new_data=(new_labels, new_labels.copy(), np.array([0, 0, 0, 3])),
+    )
+    rows = comparison.per_class_rows()
+    assert rows[0] == {"class": "class0", "champion": 0.0, "challenger": 1.0, "difference": 1.0}
+    assert comparison.challenger.new_data_accuracy == 1.0 and comparison.champion.new_data_accuracy == 0.5
+    assert comparison.new_data_examples == 4 and comparison.difference == pytest.approx(0.1)
