@@ -997,15 +997,19 @@ def parse_time(value: str) -> datetime:
 
 
 def check_privileges(stack: Stack, entry: Check) -> None:
-    processes = 0
+    processes, users = 0, set()
     for container in stack.containers(all=False):
-        result = stack.engine("top", container, "user", "pid", "args", timeout=60)
+        if stack.engine.name == "podman":  # The user inside the container, by name.
+            result = stack.engine("top", container, "user", "pid", "args", timeout=60)
+        else:  # `docker top` runs ps on the host: numeric uids (the host may name them otherwise).
+            result = stack.engine("top", container, "-eo", "uid,pid,args", timeout=60)
         for line in result.stdout.splitlines()[1:]:
             words = line.split()
             if not words:
                 continue
             processes += 1
-            if words[0] not in UNPRIVILEGED:
+            users.add(words[0])
+            if words[0] not in UNPRIVILEGED and not (words[0].isdigit() and words[0] != "0"):
                 raise StepError(f"{container} runs {' '.join(words[2:])[:80]} as {words[0]}")
     published = 0
     for container in stack.containers(all=False):
@@ -1017,7 +1021,7 @@ def check_privileges(stack: Stack, entry: Check) -> None:
                     raise StepError(f"{container} publishes {binding} beyond 127.0.0.1")
     containers = len(stack.containers(all=False))
     entry.detail = (
-        f"{processes} processes in {containers} containers, all as cifar or postgres; "
+        f"{processes} processes in {containers} containers, as {', '.join(sorted(users))}, none as root; "
         f"{published} published ports, all on 127.0.0.1"
     )
 
