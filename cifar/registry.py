@@ -38,8 +38,12 @@ from cifar.compat import raw_input_signature
 from cifar.config import PipelineConfig
 from cifar.data.drift import Profile, image_features
 from cifar.data.manifest import IMAGE_SHAPE, NEW_DATA_SLICE, load_manifest
+from cifar.io import atomic_write_text
+from cifar.model_card import CARD_DIR, CardInputs, card_html, card_markdown
+from cifar.model_card import provenance as card_provenance
+from cifar.model_card import robustness as card_robustness
 from cifar.monitoring import REFERENCE_TAG, MonitoringReference, answers_summary
-from cifar.results import ExportResult, PromotionResult
+from cifar.results import EvaluationResult, ExportResult, PromotionResult
 from cifar.reuse import registration_key
 from cifar.serving_model import SAVED_MODEL_ARTIFACT, SavedModelClassifier
 from cifar.tracking import ensure_experiment, finite_metrics, mlflow_client, resolve_tracking_uri, use_run
@@ -133,8 +137,11 @@ def register_and_promote(
     tracking_uri: str | None = None,
     input_example: np.ndarray | None = None,
     trained_with: TrainedWith | None = None,
+    evaluation: EvaluationResult | None = None,
 ) -> PromotionResult:
     """Logs and registers the exported model, then judges it against the champion on `data_dir`'s test images.
+
+    With the `evaluation` of the export's checkpoint, the version also gets its model card (cifar.model_card).
 
     An export registered before (same `export_key` tag) is not registered again: its recorded
     decision is returned, or taken now if the earlier attempt died before taking it. Registrations
@@ -186,7 +193,67 @@ def register_and_promote(
             comparison, reference = judge(client, tracking_uri, config, number, data_dir)
             client.set_model_version_tag(model_name, str(number), REFERENCE_TAG, reference.model_dump_json())
             result = _record(client, config, key, number, model_uri, comparison)
+            if evaluation is not None:
+                card = write_model_card(
+                    client, config, export_result, data_dir, evaluation, result, mlflow_run_id, trained_with
+                )
+                result = result.model_copy(update={"model_card": str(card)})
+                client.set_model_version_tag(
+                    model_name, str(number), DECISION_TAG, result.model_dump_json(exclude={"reused"})
+                )
     return result
+
+
+def write_model_card(
+    client,
+    config: PipelineConfig,
+    export_result: ExportResult,
+    data_dir: str | Path,
+    evaluation: EvaluationResult,
+    result: PromotionResult,
+    run_id: str | None,
+    trained_with: TrainedWith | None,
+) -> Path:
+    """The version's model card: written under WORKDIR/model_cards/, logged to its run, linked from its description."""
+    import mlflow
+    import tensorflow as tf
+
+    from cifar.evaluate import load_split
+    from cifar.export import INPUT_NAME, SERVING_SIGNATURE
+    from cifar.tracking import git_commit
+
+    model_name, version = config.export.model_name, int(result.registered_model_version)
+    serve = tf.saved_model.load(export_result.export_dir).signatures[SERVING_SIGNATURE]
+
+    def predict(images: np.ndarray) -> np.ndarray:
+        return serve(**{INPUT_NAME: tf.constant(images)})["class_ids"].numpy()
+
+    images, labels = load_split(data_dir, "test")
+    predictions = np.concatenate([predict(images[start : start + 500]) for start in range(0, len(images), 500)])
+    manifest = load_manifest(data_dir)
+    inputs = CardInputs(
+        model_name=model_name,
+        version=version,
+        run_id=run_id,
+        champion=result.champion,
+        config=config.model_dump(mode="json"),
+        trained_with=(trained_with or TrainedWith()).model_dump(mode="json"),
+        git_commit=git_commit(),
+        manifest=manifest,
+        evaluation=json.loads(Path(evaluation.metrics_path).read_text(encoding="utf-8")),
+        comparison=result.comparison or {},
+        robustness=card_robustness(predict, images, labels),
+        provenance=card_provenance(manifest, predictions, labels),
+    )
+    markdown_text = card_markdown(inputs)
+    directory = Path(export_result.export_dir).resolve().parents[2] / CARD_DIR / model_name / f"v{version}"
+    atomic_write_text(directory / "model_card.md", markdown_text)
+    atomic_write_text(directory / "model_card.html", card_html(markdown_text, f"{model_name} v{version}"))
+    mlflow.log_artifacts(str(directory), artifact_path="model_card")
+    link = f"runs:/{run_id}/model_card/model_card.html" if run_id else str(directory / "model_card.html")
+    described = client.get_model_version(model_name, str(version)).description or ""
+    client.update_model_version(model_name, str(version), description=f"{described} Model card: {link}")
+    return directory / "model_card.md"
 
 
 def _input_example(input_example: np.ndarray | None) -> np.ndarray:

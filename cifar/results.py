@@ -121,3 +121,4 @@ class PromotionResult(StageResult):
     p_value: float | None = None  # McNemar's exact test against the champion.
     comparison_artifact: str | None = None  # Where the run keeps the full comparison.
     comparison: dict | None = None  # The full comparison (cifar.comparison.Comparison) as JSON values.
+    model_card: str | None = None  # The version's model card (Markdown; HTML beside it).

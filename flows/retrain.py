@@ -45,6 +45,7 @@ from cifar.results import ArchiveInfo  # noqa: E402
 from cifar.retraining import RetrainPlan, plan_retrain  # noqa: E402
 from cifar.tracking import resolve_tracking_uri  # noqa: E402
 from flows.pipeline import cifar_pipeline, dry_run_plan, show_stage_logs  # noqa: E402
+from tasks.artifacts import write_summary  # noqa: E402
 from tasks.data import download_archive  # noqa: E402
 
 NOTHING_CHANGED = "Nothing changed"  # The Completed state's name when no retrain was needed.
@@ -118,6 +119,7 @@ def retrain(
     print(f"Forced retrain with seed {config.seed}; {retraining.summary}" if force else retraining.summary.capitalize())
     summary = cifar_pipeline(config=ConfigOverrides.of(config), workdir=workdir, until="export")
     summary["retrain"] = retraining.model_dump()
+    summary["summary_path"] = write_summary(summary, workdir)  # With what changed, beside what it made.
     create_markdown_artifact(retrain_markdown(retraining, summary, force=force, seed=config.seed), key="cifar-retrain")
     verdict = "champion" if summary.get("champion") else "not promoted"
     print(

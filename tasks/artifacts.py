@@ -315,3 +315,17 @@ def publish_comparison(result) -> None:
         create_table_artifact(rows, key="cifar-comparison-per-class", description=comparison["reason"][:500])
     except Exception as error:  # No API (a bare `.fn()` call in a test).
         logger.debug("Comparison artifacts not published: %s", error)
+
+
+def publish_model_card(result) -> None:
+    """The version's model card as a Prefect markdown artifact."""
+    if not result.model_card or not Path(result.model_card).is_file():
+        return
+    try:
+        create_markdown_artifact(
+            Path(result.model_card).read_text(encoding="utf-8"),
+            key="cifar-model-card",
+            description=f"Model card of version {result.registered_model_version}",
+        )
+    except Exception as error:  # No API (a bare `.fn()` call in a test).
+        logger.debug("Model card artifact not published: %s", error)

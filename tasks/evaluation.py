@@ -12,7 +12,7 @@ from cifar.quiet import import_tensorflow
 from cifar.results import DataResult, EvaluationResult, ExportResult, PromotionResult, TrainResult
 from cifar.reuse import evaluation_key, export_key, registration_key
 from cifar.workdir import find_export
-from tasks.artifacts import publish_comparison
+from tasks.artifacts import publish_comparison, publish_model_card
 from tasks.caching import stage_task
 
 
@@ -80,6 +80,9 @@ def register_model(
     from cifar.registry import register_and_promote
 
     trained_with = TrainedWith.of(config, dataset, training)  # Recorded on the version: what made it.
-    result = register_and_promote(config, export, dataset.data_dir, **logged_to(training), trained_with=trained_with)
+    result = register_and_promote(
+        config, export, dataset.data_dir, **logged_to(training), trained_with=trained_with, evaluation=evaluation
+    )
     publish_comparison(result)
+    publish_model_card(result)
     return result

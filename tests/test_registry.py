@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -15,6 +16,7 @@ from test_evaluate import prepare_fixture_data, write_checkpoints
 from cifar.config import make_config
 from cifar.evaluate import evaluate, load_split
 from cifar.export import INPUT_NAME, SERVING_SIGNATURE, export_model, serving_outputs
+from cifar.model_card import PERTURBATIONS, perturbed
 from cifar.registry import (
     CHAMPION_ALIAS,
     COMPARISON_ARTIFACT,
@@ -56,6 +58,7 @@ def exported(python_archive, tmp_path_factory) -> dict:
         "images": images,
         "labels": labels,
         "tracking_uri": config.tracking.tracking_uri,
+        "evaluation": evaluation,
     }
 
 
@@ -94,7 +97,9 @@ def new_run(tracking_uri: str, workdir) -> str:
     return client.create_run(experiment_id).info.run_id
 
 
-def register(exported: dict, number: int, *, worse: bool = False, config=None, run_id: str | None = None):
+def register(
+    exported: dict, number: int, *, worse: bool = False, config=None, run_id: str | None = None, card: bool = False
+):
     tracking_uri, workdir = exported["tracking_uri"], exported["workdir"]
     return register_and_promote(
         config or exported["config"],
@@ -103,6 +108,7 @@ def register(exported: dict, number: int, *, worse: bool = False, config=None, r
         mlflow_run_id=run_id or new_run(tracking_uri, workdir),
         tracking_uri=tracking_uri,
         input_example=exported["images"][:3],
+        evaluation=exported["evaluation"] if card else None,
     )
 
 
@@ -217,3 +223,41 @@ def test_a_person_promotes_a_refused_version_and_rolls_back_with_the_record(expo
     with pytest.raises(ValueError, match="a reason is required"):
         promote_by_hand(tracking_uri, "cifar10", before, "  ")
     assert champion_version(client) == before
+
+
+def test_every_version_gets_a_model_card_with_every_section(exported):
+    client = mlflow.MlflowClient(tracking_uri=exported["tracking_uri"])
+    run_id = new_run(exported["tracking_uri"], exported["workdir"])
+    result = register(exported, 30, run_id=run_id, card=True)
+
+    card = Path(result.model_card).read_text()
+    for heading in ("## Intended use", "**Input contract.**", "## Data", "**Known caveats.**", "## Training",
+                    "## Evaluation", "## Robustness", "## Against the champion of the day"):  # fmt: skip
+        assert heading in card, heading
+    assert f"Model card: cifar10 v{result.registered_model_version}" in card and "uint8 images" in card
+    assert "test images have a near-duplicate in the training batches" in card
+    assert "| cat |" in card and "Confusion matrix" in card and "Weakest class: " in card
+    for perturbation in PERTURBATIONS.values():
+        assert f"| {perturbation} |" in card
+    assert result.comparison["reason"] in card and "McNemar's exact test: p =" in card
+    html = Path(result.model_card).with_suffix(".html").read_text()
+    assert html.startswith("<!doctype html>") and "<table>" in html and "Robustness</h2>" in html
+    version = client.get_model_version("cifar10", str(result.registered_model_version))
+    assert version.description.endswith(f"Model card: runs:/{run_id}/model_card/model_card.html")
+    assert {item.path for item in client.list_artifacts(run_id, "model_card")} == {
+        "model_card/model_card.html",
+        "model_card/model_card.md",
+    }
+
+
+def test_perturbations_change_the_images_as_described():
+    images = np.full((2, 32, 32, 3), 100, np.uint8)
+    images[:, 10:20, 10:20] = 200
+    assert (perturbed(images, "brightness") > images).all()  # +0.25 on the 0..1 scale: +64 levels.
+    contrast = perturbed(images, "contrast").astype(int)
+    assert np.ptp(contrast) < np.ptp(images.astype(int)) and contrast.mean() == pytest.approx(images.mean(), abs=2)
+    blurred = perturbed(images, "blur").astype(int)
+    assert 100 < blurred[0, 10, 15, 0] < 200 and blurred[0, 0, 0, 0] == 100  # Edges soften, flat areas stay.
+    noisy = perturbed(images, "gaussian_noise").astype(int)
+    assert 10 < np.std(noisy[:, :8, :8] - 100) < 30  # Standard deviation 0.08 x 255 = 20 levels.
+    assert np.abs(perturbed(images, "jpeg_50").astype(int) - images).max() > 0

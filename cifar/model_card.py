@@ -1,0 +1,277 @@
+"""A model card for every registered version: what it is for, what it learnt from, how good it is, where it is weak.
+
+Written by the register stage, in Markdown and HTML, after the gate has judged the version:
+
+1. intended use and the input contract;
+2. the data: the snapshot (its archive and additions), the examples per split, the known caveats (the
+   share of test images decoded from JPEG when a provenance file lies beside the archive, and the test
+   images with a near-duplicate in the training batches);
+3. training: the config that shaped the model, the training key, the code version;
+4. evaluation: test accuracy (with and without the near-duplicated test images), per-class precision
+   and recall, the confusion matrix, the `new_data` slice;
+5. robustness: accuracy on the test split under standard perturbations, one severity each, made with
+   TensorFlow's image ops (Gaussian noise, blur, brightness, contrast, JPEG quality 50);
+6. the gate's comparison with the champion of the day.
+
+The card lies in WORKDIR/model_cards/<model>/v<version>/ and in the version's run
+(`model_card/model_card.html`), linked from the version's description.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cifar.serving_contract import CONTRACT
+
+PROVENANCE_FILE = "cifar-10-provenance.npz"  # Beside the archive: boolean masks train_exact, test_exact.
+CARD_DIR = "model_cards"
+PERTURBATIONS = {  # Name -> what it does, one severity each (pixel values on the 0..1 scale).
+    "gaussian_noise": "additive Gaussian noise, standard deviation 0.08",
+    "blur": "Gaussian blur, sigma 1 pixel (5x5 kernel)",
+    "brightness": "brightness +0.25 (tf.image.adjust_brightness)",
+    "contrast": "contrast x0.5 (tf.image.adjust_contrast)",
+    "jpeg_50": "JPEG compression at quality 50 (tf.image.adjust_jpeg_quality)",
+}
+BATCH = 500
+
+
+@dataclass(frozen=True)
+class CardInputs:
+    """Everything the card says, gathered by the register stage."""
+
+    model_name: str
+    version: int
+    run_id: str | None
+    champion: bool
+    config: dict[str, Any]  # The resolved pipeline config.
+    trained_with: dict[str, Any]  # cifar.champion.TrainedWith as JSON values.
+    git_commit: str | None
+    manifest: Any  # cifar.data.manifest.Manifest
+    evaluation: dict[str, Any]  # The evaluation's metrics.json.
+    comparison: dict[str, Any]  # cifar.comparison.Comparison as JSON values.
+    robustness: dict[str, float]  # Perturbation -> test accuracy.
+    provenance: dict[str, Any] | None  # Counts and accuracies by provenance, when known.
+
+
+def perturbed(images: np.ndarray, name: str, seed: int = 0) -> np.ndarray:
+    """`images` (uint8 N,32,32,3) under one perturbation of PERTURBATIONS, back as uint8."""
+    import tensorflow as tf
+
+    pixels = tf.image.convert_image_dtype(tf.constant(images), tf.float32)  # 0..1
+    if name == "gaussian_noise":
+        pixels = pixels + tf.random.stateless_normal(pixels.shape, seed=(seed, 1), stddev=0.08)
+    elif name == "blur":
+        axis = tf.range(-2, 3, dtype=tf.float32)
+        weights = tf.exp(-(axis**2) / 2.0)
+        kernel = tf.tensordot(weights, weights, axes=0)
+        kernel = kernel / tf.reduce_sum(kernel)
+        kernel = tf.tile(kernel[:, :, None, None], [1, 1, 3, 1])
+        padded = tf.pad(pixels, [[0, 0], [2, 2], [2, 2], [0, 0]], mode="REFLECT")  # Borders blur, not darken.
+        pixels = tf.nn.depthwise_conv2d(padded, kernel, strides=[1, 1, 1, 1], padding="VALID")
+    elif name == "brightness":
+        pixels = tf.image.adjust_brightness(pixels, 0.25)
+    elif name == "contrast":
+        pixels = tf.image.adjust_contrast(pixels, 0.5)
+    elif name == "jpeg_50":
+        pixels = tf.map_fn(lambda image: tf.image.adjust_jpeg_quality(image, 50), pixels)
+    else:
+        raise ValueError(f"unknown perturbation {name!r}: expected one of {', '.join(PERTURBATIONS)}")
+    return tf.image.convert_image_dtype(tf.clip_by_value(pixels, 0.0, 1.0), tf.uint8, saturate=True).numpy()
+
+
+def robustness(predict: Callable[[np.ndarray], np.ndarray], images: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """Accuracy of `predict` (uint8 images -> class ids) on the images under each perturbation."""
+    results = {}
+    for name in PERTURBATIONS:
+        predictions = np.concatenate(
+            [
+                predict(perturbed(images[start : start + BATCH], name, seed=start))
+                for start in range(0, len(images), BATCH)
+            ]
+        )
+        results[name] = float(np.mean(predictions == labels))
+    return results
+
+
+def provenance(manifest, predictions: np.ndarray, labels: np.ndarray) -> dict[str, Any] | None:
+    """Counts and test accuracy of the original-pixel and JPEG-decoded images, from a provenance file beside
+    the archive (`cifar-10-provenance.npz`: boolean masks `train_exact`, `test_exact`), when there is one."""
+    path = Path(manifest.source.location).expanduser().parent / PROVENANCE_FILE
+    if not path.is_file():
+        return None
+    with np.load(path, allow_pickle=False) as masks:
+        test_exact, train_exact = masks["test_exact"], masks["train_exact"]
+    if len(test_exact) != len(labels):
+        return None
+    correct = predictions == labels
+    return {
+        "file": str(path),
+        "train_original": int(train_exact.sum()),
+        "train_jpeg": int((~train_exact).sum()),
+        "test_original": int(test_exact.sum()),
+        "test_jpeg": int((~test_exact).sum()),
+        "accuracy_original": float(correct[test_exact].mean()) if test_exact.any() else None,
+        "accuracy_jpeg": float(correct[~test_exact].mean()) if (~test_exact).any() else None,
+    }
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f} %"
+
+
+def card_markdown(card: CardInputs) -> str:
+    """The model card as Markdown."""
+    manifest, evaluation, comparison = card.manifest, card.evaluation, card.comparison
+    train = card.config["train"]
+    status = "the champion" if card.champion else "not the champion"
+    lines = [
+        f"# Model card: {card.model_name} v{card.version}",
+        "",
+        f"A CIFAR-10 image classifier ({train['model']}), {status} at registration ({comparison['rule']}).",
+        "",
+        "## Intended use",
+        "",
+        "Classifying small natural images into the ten CIFAR-10 classes "
+        f"({', '.join(manifest.class_names)}). It was trained and tested on CIFAR-10-like 32x32 photographs; "
+        "images unlike them (other sizes resized down, drawings, other classes) get one of the ten classes anyway, "
+        "with no notion of 'none of these'. Batch jobs watch for that (cifar-predict's drift checks).",
+        "",
+        f"**Input contract.** {CONTRACT}",
+        "",
+        "## Data",
+        "",
+    ]
+    snapshot = manifest.snapshot
+    additions = len(snapshot.additions) if snapshot else 0
+    counts = {split: manifest.splits[split].num_examples for split in manifest.splits}
+    lines += [
+        "| | |",
+        "|---|---|",
+        f"| Data snapshot | {snapshot.key if snapshot else '-'} (archive sha256 {manifest.source.sha256[:16]}..., "
+        f"{additions} additions) |",
+        f"| Archive | {manifest.source.location} ({manifest.source.layout} layout) |",
+        f"| Examples (train / validation / test) | {counts.get('train')} / {counts.get('validation')} / "
+        f"{counts.get('test')} |",
+        f"| Data key | {manifest.key} |",
+        "",
+        "**Known caveats.**",
+        "",
+    ]
+    near = manifest.near_duplicate_test_images
+    if near is not None:
+        lines.append(
+            f"- {near:,} of {counts.get('test'):,} test images have a near-duplicate in the training batches "
+            f"(similarity >= {manifest.settings.get('near_duplicate_similarity')}); "
+            f"`test_accuracy_deduplicated` leaves them out."
+        )
+    if card.provenance:
+        prov = card.provenance
+        lines.append(
+            f"- {prov['test_jpeg']:,} of {prov['test_jpeg'] + prov['test_original']:,} test images and "
+            f"{prov['train_jpeg']:,} training images were decoded from JPEG copies (provenance: {prov['file']}); "
+            f"accuracy on the original-pixel test images {_percent(prov['accuracy_original'])}, on the JPEG-decoded "
+            f"ones {_percent(prov['accuracy_jpeg'])} (the two sets also differ by class)."
+        )
+    else:
+        lines.append("- The provenance of the images (original pixels or re-encoded) is not known for this archive.")
+    lines += [
+        "",
+        "## Training",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| Model | {train['model']}, {train['epochs']} epochs, batch {train['batch_size']}, "
+        f"learning rate {train['learning_rate']} ({train['schedule']}) |",
+        f"| Preset, seed | {card.config['preset']}, {card.config['seed']} |",
+        f"| Training key | {card.trained_with.get('training_key')} |",
+        f"| Code | git {card.git_commit or 'unknown'}; {len(card.trained_with.get('code') or {})} modules of cifar/ "
+        "recorded on the version (tag train_code) |",
+        "",
+        "<details><summary>The full training config</summary>",
+        "",
+        "```json",
+        json.dumps(card.trained_with.get("train_config"), indent=2, sort_keys=True),
+        "```",
+        "",
+        "</details>",
+        "",
+        "## Evaluation",
+        "",
+        "| metric | value |",
+        "|---|---:|",
+        f"| Test accuracy ({evaluation['num_examples']:,} images) | {_percent(evaluation['test_accuracy'])} |",
+        f"| Test accuracy without near-duplicated test images ({evaluation.get('deduplicated_examples')}) | "
+        f"{_percent(evaluation.get('test_accuracy_deduplicated'))} |",
+        f"| Test accuracy with flip TTA | {_percent(evaluation.get('flip_tta_accuracy'))} |",
+        f"| New data accuracy ({evaluation.get('new_data_examples', 0)} images of the additions' validation split"
+        f"{', seen in training' if evaluation.get('new_data_trained_on') else ''}) | "
+        f"{_percent(evaluation.get('new_data_accuracy'))} |",
+        "",
+        "| class | precision | recall | support |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, values in evaluation["per_class"].items():
+        lines.append(
+            f"| {name} | {_percent(values['precision'])} | {_percent(values['recall'])} | {values['support']} |"
+        )
+    weakest = min(evaluation["per_class"].items(), key=lambda item: item[1]["recall"])
+    lines += [
+        "",
+        f"Weakest class: {weakest[0]} (recall {_percent(weakest[1]['recall'])}).",
+        "",
+        "Confusion matrix (rows: true class, columns: predicted):",
+        "",
+        "| | " + " | ".join(name[:5] for name in evaluation["class_names"]) + " |",
+        "|---|" + "---:|" * len(evaluation["class_names"]),
+    ]
+    for name, row in zip(evaluation["class_names"], evaluation["confusion_matrix"]):
+        lines.append(f"| {name} | " + " | ".join(str(count) for count in row) + " |")
+    lines += [
+        "",
+        "## Robustness",
+        "",
+        "Test accuracy under one perturbation of the whole test split at a time (TensorFlow image ops):",
+        "",
+        "| perturbation | accuracy | change |",
+        "|---|---:|---:|",
+        f"| none | {_percent(evaluation['test_accuracy'])} | |",
+    ]
+    for name, accuracy in card.robustness.items():
+        change = 100 * (accuracy - evaluation["test_accuracy"])
+        lines.append(f"| {PERTURBATIONS[name]} | {_percent(accuracy)} | {change:+.2f} points |")
+    lines += ["", "## Against the champion of the day", "", comparison["reason"], ""]
+    champion = comparison.get("champion")
+    if champion:
+        lines += [
+            f"| | this version (v{card.version}) | champion v{champion['version']} |",
+            "|---|---:|---:|",
+            f"| test accuracy | {_percent(comparison['challenger']['accuracy'])} | {_percent(champion['accuracy'])} |",
+            f"| right only for this model | {comparison['challenger_only']} | {comparison['champion_only']} |",
+            "",
+            f"McNemar's exact test: p = {comparison['p_value']:.4g}; largest class drop "
+            f"{comparison['largest_drop_class']} {100 * comparison['largest_class_drop']:+.2f} points.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def card_html(markdown_text: str, title: str) -> str:
+    """The card as a standalone HTML page (tables styled, nothing fetched from elsewhere)."""
+    import markdown
+
+    body = markdown.markdown(markdown_text, extensions=["tables", "fenced_code", "md_in_html"])
+    style = (
+        "body{font-family:sans-serif;max-width:60em;margin:2em auto;line-height:1.45;color:#222}"
+        "table{border-collapse:collapse;margin:0.5em 0}td,th{border:1px solid #ccc;padding:0.25em 0.6em}"
+        "th{background:#f3f3f3}code,pre{background:#f6f6f6}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{style}</style></head><body>{body}</body></html>\n"
+    )
