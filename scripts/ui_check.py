@@ -102,7 +102,7 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "the nightly schedule names its time zone (UTC) on the deployment page",
         "prefect-nightly-schedule",
-        expect=(r"At 02:00 AM", r"Nightly retraining at 02:00 UTC"),
+        expect=(r"At 02:00 AM", r"at 02:00 UTC"),
     ),
     Check(
         "smoke flow run's logs end with the pipeline summary",
@@ -149,6 +149,22 @@ CHECKS: tuple[Check, ...] = (
     Check(
         "registry page of cifar10 shows the champion alias", "mlflow-registry-champion", expect=(r"(?m)^@\s*champion$",)
     ),
+    # (iv) The gate's comparison of a challenger with the champion: in Prefect, and recorded on the version.
+    Check(
+        "the challenger's comparison artifact: both models, McNemar's test, the per-class table",
+        "prefect-comparison",
+        expect=(r"Challenger v2", r"champion", r"McNemar", r"(?m)^airplane\s"),
+    ),
+    Check(
+        "MLflow's page of version 2 records the decision, the comparison and the model card link",
+        "mlflow-version-record",
+        expect=(r"Test accuracy \d+\.\d+ %", r"Model card: runs:/\w+/model_card/model_card\.html", r"promotion"),
+    ),
+    Check(
+        "the model card renders in MLflow with every section",
+        "mlflow-model-card",
+        expect=(r"Model card: cifar10 v2", r"Intended use", r"Robustness", r"Against the champion of the day"),
+    ),
 )
 
 # Page key (PAGES below) -> screenshot file under --out; a page may save more (SCREENSHOTS_EXTRA).
@@ -166,6 +182,9 @@ SCREENSHOTS = {
     "mlflow-run": "mlflow-run.png",
     "mlflow-compare-sweep": "mlflow-compare-sweep.png",
     "mlflow-registry-champion": "mlflow-registry-champion.png",
+    "prefect-comparison": "prefect-comparison.png",
+    "mlflow-version-record": "mlflow-version-record.png",
+    "mlflow-model-card": "mlflow-model-card.png",
 }
 SHARED_VIEW_TAG = "mlflow.sharedViewState."  # An experiment tag MLflow's UI loads with ?viewStateShareKey=<rest>.
 
@@ -479,7 +498,10 @@ def run_pipelines(stack: Stack, archive: Path, sha256: str) -> dict[str, dict]:
         "cifar-sweep/sweep",
         {"config": config, "models": ["tiny"], "learning_rates": SWEEP_LEARNING_RATES, "workdir": str(workdir)},
     )
-    return wait_runs(stack, {"cifar/smoke": smoke, "cifar-sweep/sweep": sweep})
+    runs = wait_runs(stack, {"cifar/smoke": smoke, "cifar-sweep/sweep": sweep})
+    # A challenger (another seed: another model) that the gate compares with the smoke run's champion.
+    challenger = run_deployment(stack, "cifar/smoke", {"config": {**config, "seed": 1}, "workdir": str(workdir)})
+    return runs | wait_runs(stack, {"challenger": challenger})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -795,6 +817,40 @@ def visit_mlflow_registry(b: Browser, stack: Stack, ctx: dict) -> Shot:
     return b.shoot("mlflow-registry-champion")
 
 
+def visit_prefect_comparison(b: Browser, stack: Stack, ctx: dict) -> Shot:
+    b.goto(
+        prefect_ui(stack, f"/runs/flow-run/{flow_run_id(ctx, 'challenger')}?tab=Artifacts"),
+        wait_for=r"(?m)^cifar-comparison$",
+    )
+    open_artifact(b, "cifar-comparison", ctx["runs"]["challenger"]["name"])
+    b.wait_text(r"McNemar")
+    return b.shoot("prefect-comparison", full_page=True)
+
+
+def visit_mlflow_version_record(b: Browser, stack: Stack, ctx: dict) -> Shot:
+    b.goto(f"{stack.mlflow_url}/#/models/cifar10/versions/2", wait_for=r"Test accuracy")
+    close_mlflow_assistant(b)
+    b.page.wait_for_timeout(1000)
+    return b.shoot("mlflow-version-record", full_page=True)
+
+
+def visit_mlflow_model_card(b: Browser, stack: Stack, ctx: dict) -> Shot:
+    version = api("GET", f"{stack.mlflow_url}/api/2.0/mlflow/model-versions/get?name=cifar10&version=2")
+    run_id = version["model_version"]["run_id"]  # type: ignore[index]
+    run = api("GET", f"{stack.mlflow_url}/api/2.0/mlflow/runs/get?run_id={run_id}")
+    experiment_id = run["run"]["info"]["experiment_id"]  # type: ignore[index]
+    b.goto(
+        f"{stack.mlflow_url}/#/experiments/{experiment_id}/runs/{run_id}/artifacts/model_card/model_card.html",
+        wait_for=r"model_card\.html",
+    )
+    close_mlflow_assistant(b)
+    frame = b.page.frame_locator("iframe").first
+    frame.get_by_text("Intended use").first.wait_for(timeout=30_000)
+    shot = b.shoot("mlflow-model-card")
+    card = frame.locator("body").inner_text(timeout=10_000)  # The card is an HTML page inside an iframe.
+    return Shot(text=f"{shot.text}\n--- card\n{card}", path=shot.path)
+
+
 PAGES: dict[str, Visitor] = {
     "prefect-deployments": visit_prefect_deployments,
     "prefect-custom-run-smoke": visit_prefect_custom_run,
@@ -808,6 +864,9 @@ PAGES: dict[str, Visitor] = {
     "mlflow-run": visit_mlflow_run,
     "mlflow-compare-sweep": visit_mlflow_compare,
     "mlflow-registry-champion": visit_mlflow_registry,
+    "prefect-comparison": visit_prefect_comparison,
+    "mlflow-version-record": visit_mlflow_version_record,
+    "mlflow-model-card": visit_mlflow_model_card,
 }
 
 
