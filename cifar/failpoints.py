@@ -9,6 +9,7 @@ happens. The crash tests use it to show that a run killed anywhere leaves state 
     evaluate.scored       evaluation files written, the result not yet recorded
     export.saved          the SavedModel written into its temp directory, not yet published
     register.registered   the registry version created, the gate not yet decided
+    ingest.stored         an addition stored under its digest, the new snapshot not yet recorded
 """
 
 from __future__ import annotations

@@ -348,3 +348,31 @@ def test_the_split_rule_reads_the_hash_as_a_fraction():
     hashes = np.array([0, 2**63, 2**64 - 1], np.uint64)
     assert goes_to_validation(hashes, 0.1).tolist() == [True, False, False]
     assert goes_to_validation(hashes, 0.0).tolist() == [False, False, False]
+
+
+def test_an_ingest_killed_between_storing_and_recording_is_finished_by_the_next(python_archive, base_workdir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    images, labels = make_split(30, seed=41)
+    folder = write_image_folder(tmp_path / "new", images, labels)
+    script = (
+        "import sys; from cifar.config import make_config; from cifar.data.ingest import ingest_addition; "
+        "from test_snapshots import archive_info; "
+        "config = make_config('smoke', {'data': {'source': sys.argv[1], 'expect_official_counts': False, "
+        "'validation_size': 100}}); "
+        "print(ingest_addition(config, sys.argv[2], sys.argv[3], archive_info(sys.argv[1]), None)[0].summary)"
+    )
+    command = [sys.executable, "-c", script, python_archive, str(folder), str(base_workdir)]
+    environment = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parent)}
+    killed = subprocess.run(command, env={**environment, "CIFAR_KILL_AT": "ingest.stored"}, capture_output=True,
+                            text=True, timeout=300, start_new_session=True)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    store = DataStore(base_workdir)
+    digest = read_addition(folder, list(CLASS_NAMES)).digest
+    assert store.has_addition(digest) and digest not in store.latest(archive_info(python_archive).sha256).additions
+
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0 and "added 30 images" in finished.stdout, finished.stderr[-2000:]
+    assert store.latest(archive_info(python_archive).sha256).additions == [digest]
