@@ -45,6 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workdir", default=str(common.DEFAULT_BENCH_WORKDIR / "data-gate"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--note", default=None, help="A note on the machine's state, added to the docs.")
     return parser.parse_args(argv)
 
 
@@ -113,14 +114,18 @@ def main(argv=None) -> None:
                 facts["sheet"] = str(Path(data.data_dir) / "near_duplicates.png")
         # The 10,000-image addition.
         workdir = root / f"addition-{repeat}"
-        prepare_data(config40.data, workdir, archive40)
-        seconds, _ = timed(ingest_addition, config40, batch_file, workdir, archive40, None)
+        before = prepare_data(config40.data, workdir, archive40)
+        seconds, (result, _) = timed(ingest_addition, config40, batch_file, workdir, archive40, None)
         times["ingest"].append(seconds)
+        again, _ = ingest_addition(config40, batch_file, workdir, archive40, None)  # The same batch again.
+        facts["snapshots"] = (result.previous, result.snapshot, again.changed, again.snapshot)
         seconds, data = timed(prepare_data, config40.data, workdir, archive40)
         times["stage_addition"].append(seconds)
         seconds, (gate_report, _) = timed(check_prepared, config40, data.data_dir, archive40.path, workdir, None)
         times["gate_addition"].append(seconds)
         facts["addition"] = {check.name: (check.value, check.summary) for check in gate_report.checks}
+        old_test, new_test = (load_manifest(path).splits["test"] for path in (before.data_dir, data.data_dir))
+        facts["test_identical"] = old_test == new_test and old_test.shards[0].sha256 == new_test.shards[0].sha256
         facts["addition_passed"] = gate_report.passed
     medians = {name: common.median(values) for name, values in times.items()}
     machine = common.machine_description(load_at_start, tensorflow=False)
@@ -129,7 +134,7 @@ def main(argv=None) -> None:
         "",
         f"Command: `{common.command_line('bench/data_gate.py', argv)}`",
         "",
-        f"Machine: {machine}. Note: {common.SHARED_NOTE}.",
+        f"Machine: {machine}. Note: {args.note or common.SHARED_NOTE}.",
         "",
         "| measurement | median wall s | runs, wall s | vs the data stage with the analysis kept |",
         "|---|---:|---|---:|",
@@ -159,6 +164,13 @@ def main(argv=None) -> None:
         "",
     ]
     lines += [f"- {name}: {summary}" for name, (_, summary) in facts["addition"].items()]
+    previous, snapshot, changed_again, snapshot_again = facts["snapshots"]
+    lines += [
+        "",
+        f"Snapshot {previous} (the 40,000-image archive) became {snapshot}; the test split's shards of both are "
+        f"{'byte-identical (same SHA-256s)' if facts['test_identical'] else 'DIFFERENT'}; ingesting the batch "
+        f"again {'changed the snapshot' if changed_again else 'changed nothing'} (latest: {snapshot_again}).",
+    ]
     body = "\n".join(lines) + "\n"
     print(body)
     shutil.copyfile(facts["sheet"], common.REPO_ROOT / "docs" / "images" / "near-duplicates-real.png")

@@ -5,7 +5,8 @@ docs/BENCHMARKS.md. `make bench` calls this.
     .venv/bin/python bench/run_all.py --only serving orchestration
     .venv/bin/python bench/run_all.py --no-docs             # print the tables only
 
-Order: convert.py, train_throughput.py, input_pipeline.py, serving.py, orchestration.py, search.py. A failing
+Order: convert.py, data_gate.py, train_throughput.py, input_pipeline.py, serving.py, orchestration.py,
+search.py, model_card.py. A failing
 script is reported and the others still run; the exit status is 1 if any failed.
 """
 
@@ -22,7 +23,17 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import common  # noqa: E402
 
-SCRIPTS = ("convert", "train_throughput", "input_pipeline", "serving", "orchestration", "search")
+SCRIPTS = (
+    "convert",
+    "data_gate",
+    "train_throughput",
+    "input_pipeline",
+    "serving",
+    "orchestration",
+    "search",
+    "model_card",
+)
+POSITIONAL_ARCHIVE = ("convert", "data_gate", "model_card")  # Take the archive as their first argument.
 ARCHIVE_SCRIPTS = ("input_pipeline", "serving", "orchestration", "search")  # Take --archive.
 
 
@@ -38,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def command_for(name: str, args: argparse.Namespace) -> list[str]:
     command = [sys.executable, str(BENCH_DIR / f"{name}.py")]
-    if name == "convert":
+    if name in POSITIONAL_ARCHIVE:
         command.append(args.archive)
     elif name in ARCHIVE_SCRIPTS and Path(args.archive) != common.DEFAULT_ARCHIVE:
         command += ["--archive", args.archive]

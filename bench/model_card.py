@@ -1,0 +1,104 @@
+"""How long a version's model card takes at registration, on the real test set.
+
+    python bench/model_card.py [ARCHIVE] [--repeats 3] [--write-docs]
+
+A smoke-preset model (the tutorial CNN, 2 epochs of 60 steps) is trained once on the real archive;
+then, interleaved, the register stage registers its export (a fresh SQLite store each time) without
+the card and with it (`evaluation` given), and the card's parts are timed on their own: the
+robustness section (the 10,000 test images under five perturbations, through the SavedModel) and
+the rest (the provenance split, Markdown, HTML, files and the MLflow artifacts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+import common
+
+from cifar.config import make_config
+from cifar.evaluate import evaluate, load_split
+from cifar.export import export_model
+from cifar.model_card import robustness
+from cifar.registry import register_and_promote
+from cifar.train import train
+
+HEADING = "## Model card generation"
+
+
+def predictor(export_dir: str):
+    """uint8 images -> class ids through the SavedModel's serving signature."""
+    import tensorflow as tf
+
+    serve = tf.saved_model.load(export_dir).signatures["serving_default"]
+    return lambda batch: serve(images=tf.constant(batch))["class_ids"].numpy()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("archive", nargs="?", default=str(common.DEFAULT_ARCHIVE))
+    parser.add_argument("--workdir", default=str(common.DEFAULT_BENCH_WORKDIR / "model-card"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--note", default=None, help="A note on the machine's state, added to the docs.")
+    args = parser.parse_args(argv)
+    load_at_start = common.load_average()
+    workdir = Path(args.workdir)
+    data_dir = common.prepare_bench_data(args.archive, workdir)
+    config = make_config("smoke", {"tracking": {"system_metrics": False}})
+    training = train(config, data_dir, workdir)
+    evaluation = evaluate(config, data_dir, training.checkpoint_dir, workdir)
+    export = export_model(config, data_dir, training.checkpoint_dir, workdir, evaluation)
+    times: dict[str, list[float]] = {"without": [], "with": [], "robustness": []}
+    for repeat in range(args.repeats):
+        for variant in ("without", "with") if repeat % 2 == 0 else ("with", "without"):
+            store = workdir / f"store-{repeat}-{variant}"
+            shutil.rmtree(store, ignore_errors=True)
+            run_config = config.model_copy(
+                update={"tracking": config.tracking.model_copy(update={"tracking_uri": f"sqlite:///{store}.db"})}
+            )
+            start = time.perf_counter()
+            register_and_promote(
+                run_config,
+                export.model_copy(update={"key": f"bench-{repeat}-{variant}"}),
+                data_dir,
+                evaluation=evaluation if variant == "with" else None,
+            )
+            times[variant].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        robustness(predictor(export.export_dir), *load_split(data_dir, "test"))
+        times["robustness"].append(time.perf_counter() - start)
+    medians = {name: common.median(values) for name, values in times.items()}
+    card = medians["with"] - medians["without"]
+    body = "\n".join(
+        [
+            __doc__.split("\n\n", 2)[2].strip(),
+            "",
+            f"Command: `{common.command_line('model_card.py', argv)}`",
+            "",
+            f"Machine: {common.machine_description(load_at_start)}. Note: {args.note or common.SHARED_NOTE}.",
+            "",
+            "| measurement | median wall s | runs, wall s |",
+            "|---|---:|---|",
+            *[
+                f"| {label} | {medians[name]:.2f} | {', '.join(f'{value:.2f}' for value in times[name])} |"
+                for name, label in (
+                    ("without", "register stage without the card (log, register, judge)"),
+                    ("with", "register stage with the card"),
+                    ("robustness", "the card's robustness section alone (5 x 10,000 perturbed test images)"),
+                )
+            ],
+            "",
+            f"The card adds {card:.1f} s to the register stage ({100 * card / medians['without']:.0f} % of it), "
+            f"{medians['robustness']:.1f} s of which is the robustness section.",
+        ]
+    )
+    print(body)
+    if args.write_docs:
+        common.write_section(HEADING, body)
+
+
+if __name__ == "__main__":
+    main()
