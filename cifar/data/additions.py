@@ -84,13 +84,10 @@ def read_addition(path: str | Path, class_names: list[str], *, resize: str | Non
 
 def read_batch_file(path: str | Path) -> Addition:
     """A CIFAR batch file (pickle layout of data_batch_N), through the restricted unpickler."""
-    from cifar.data.archive import parse_python_batch, rows_to_images
+    from cifar.data.archive import rows_to_images
 
     path = Path(path)
-    size = path.stat().st_size
-    if size > MAX_BATCH_FILE_BYTES:
-        raise ValueError(f"{path} is {size:,} bytes, over the {MAX_BATCH_FILE_BYTES:,} byte limit of a batch file")
-    rows, labels = parse_python_batch(path.read_bytes(), path.name)  # InvalidDatasetError / UnsafePickleError name it.
+    rows, labels = read_batch_rows(path)
     return Addition(
         images=rows_to_images([rows]),
         labels=labels.astype(np.int64),
@@ -98,6 +95,20 @@ def read_batch_file(path: str | Path) -> Addition:
         kind="batch_file",
         source=str(path.resolve()),
     )
+
+
+def read_batch_rows(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """The official rows (N, 3072) and labels (N,) of a CIFAR batch file, through the restricted unpickler.
+
+    Refuses a file over MAX_BATCH_FILE_BYTES before reading it. Shared with batch prediction.
+    """
+    from cifar.data.archive import parse_python_batch
+
+    path = Path(path)
+    size = path.stat().st_size
+    if size > MAX_BATCH_FILE_BYTES:
+        raise ValueError(f"{path} is {size:,} bytes, over the {MAX_BATCH_FILE_BYTES:,} byte limit of a batch file")
+    return parse_python_batch(path.read_bytes(), path.name)  # InvalidDatasetError / UnsafePickleError name it.
 
 
 def read_image_folder(path: str | Path, class_names: list[str], *, resize: str | None = None) -> Addition:
@@ -108,7 +119,7 @@ def read_image_folder(path: str | Path, class_names: list[str], *, resize: str |
     labels: list[int] = []
     names: list[str] = []
     problems: list[FileProblem] = []
-    for relative, entry in _walk(root):
+    for relative, entry in walk_files(root):
         parts = Path(relative).parts
         if entry is None:  # A link, or something that is not a regular file or directory.
             problems.append(FileProblem(file=relative, problem="link", detail="links and special files are not read"))
@@ -121,7 +132,7 @@ def read_image_folder(path: str | Path, class_names: list[str], *, resize: str |
             detail = f"folder {parts[0]!r} is not a class name ({', '.join(class_names)})"
             problems.append(FileProblem(file=relative, problem="unknown_class", detail=detail))
             continue
-        image, problem = _decode(root / relative, resize)
+        image, problem = decode_image(root / relative, resize)
         if problem is not None:
             problems.append(FileProblem(file=relative, problem=problem[0], detail=problem[1]))
             continue
@@ -139,8 +150,12 @@ def read_image_folder(path: str | Path, class_names: list[str], *, resize: str |
     )
 
 
-def _walk(root: Path):
-    """(relative path, DirEntry or None for links and special files) of every file under `root`, sorted."""
+def walk_files(root: Path) -> list[tuple[str, os.DirEntry | None]]:
+    """(relative path, DirEntry or None for links and special files) of every file under `root`, sorted by path.
+
+    Links are never followed (a link to a directory is listed, not entered). Shared with batch
+    prediction (cifar.predict), which reads image folders the same way.
+    """
     pending = [""]
     found = []
     while pending:
@@ -158,8 +173,12 @@ def _walk(root: Path):
     return sorted(found, key=lambda item: item[0])
 
 
-def _decode(path: Path, resize: str | None) -> tuple[np.ndarray | None, tuple[str, str] | None]:
-    """(HWC uint8 image, None) or (None, (problem kind, detail)) for one file."""
+def decode_image(path: Path, resize: str | None) -> tuple[np.ndarray | None, tuple[str, str] | None]:
+    """(HWC uint8 image (32, 32, 3), None) or (None, (problem kind, detail)) for one PNG or JPEG file.
+
+    The kinds: format, undecodable, truncated, mode, size (another size without a declared `resize`).
+    Shared with batch prediction (cifar.predict), so both read an image file the same way.
+    """
     from PIL import Image, UnidentifiedImageError
 
     try:
