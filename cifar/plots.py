@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -107,4 +107,56 @@ def near_duplicates_png(
         top += count * (cell_height + gap)
     buffer = io.BytesIO()
     sheet.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def drift_png(
+    features: Mapping[str, tuple[Sequence[int] | None, Sequence[int], tuple[float, float], str]],
+    classes: tuple[Sequence[int] | None, Sequence[int], str],
+    class_names: Sequence[str],
+    title: str,
+) -> bytes:
+    """Reference against current histograms, one panel per image feature and one for the predicted classes.
+
+    `features` maps a feature name to (reference counts or None, current counts, (low, high) of the
+    bins, subtitle with the measured value); `classes` is (reference counts or None, current counts,
+    subtitle). Counts are drawn as shares, so sets of different sizes compare.
+    """
+
+    def shares(counts: Sequence[int]) -> np.ndarray:
+        values = np.asarray(counts, np.float64)
+        return values / values.sum() if values.sum() > 0 else values
+
+    panels = len(features) + 1
+    columns = 3
+    rows = math.ceil(panels / columns)
+    figure = Figure(figsize=(4.2 * columns, 3.4 * rows + 0.6))
+    figure.suptitle(title)
+    for position, (name, (reference, current, (low, high), subtitle)) in enumerate(features.items()):
+        axes = figure.add_subplot(rows, columns, position + 1)
+        edges = np.linspace(low, high, len(current) + 1)
+        if reference is not None:
+            axes.stairs(shares(reference), edges, fill=True, alpha=0.35, color="tab:blue", label="reference")
+        axes.stairs(shares(current), edges, linewidth=1.8, color="tab:orange", label="current")
+        axes.set_title(f"{name}\n{subtitle}", fontsize=9)
+        axes.set_xlabel(f"pixel units ({low:g}-{high:g})", fontsize=8)
+        axes.set_ylabel("share of images", fontsize=8)
+        axes.tick_params(labelsize=7)
+        if position == 0:
+            axes.legend(fontsize=7)
+    reference, current, subtitle = classes
+    axes = figure.add_subplot(rows, columns, panels)
+    positions = np.arange(len(current))
+    if reference is not None:
+        axes.bar(positions - 0.2, shares(reference), width=0.4, color="tab:blue", alpha=0.6, label="reference")
+    axes.bar(positions + 0.2, shares(current), width=0.4, color="tab:orange", label="current")
+    axes.set_xticks(positions, labels=list(class_names), rotation=60, ha="right", fontsize=7)
+    axes.set_title(f"predicted classes\n{subtitle}", fontsize=9)
+    axes.set_ylabel("share of images", fontsize=8)
+    axes.tick_params(axis="y", labelsize=7)
+    # Every prediction job draws this: fixed margins and one draw (a tight layout or bounding box draws it
+    # again, for seconds on a busy machine).
+    figure.subplots_adjust(left=0.06, right=0.98, top=0.86, bottom=0.12, hspace=0.62, wspace=0.22)
+    buffer = io.BytesIO()
+    FigureCanvasAgg(figure).print_png(buffer)
     return buffer.getvalue()
