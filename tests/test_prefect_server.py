@@ -322,7 +322,11 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
     env = {"CIFAR_DRY_RUN": str(plans_dir), "PREFECT_LOGGING_EXTRA_LOGGERS": "cifar,tasks"}
 
     # What a person must type into the forms that have required fields (the dry run reads none of it).
-    required = {"ingest": {"path": "/data/new-labels"}, "promote": {"reason": "dry run", "version": 1}}
+    required = {
+        "ingest": {"path": "/data/new-labels"},
+        "promote": {"reason": "dry run", "version": 1},
+        "predict": {"input": "/data/unlabelled"},
+    }
     submitted = {}
     for entry in declared:
         deployment = by_name[entry["name"]]

@@ -1,0 +1,282 @@
+"""The `cifar-predict` flow: score unlabelled images with a registered model, and say when they drift.
+
+    python flows/predict.py --input PATH [--model models:/cifar10@champion] [--workdir W] [--resize bilinear]
+                            [--set monitor.max_image_drift=0.1]
+    prefect deployment run cifar-predict/predict -p input=/data/incoming
+
+PATH is a folder of PNG/JPEG files, a CIFAR batch file (e.g. the archive's test_batch), a .npy uint8 array
+(N, 32, 32, 3), or TFRecord shards (a .tfrecord file, a directory of them, or a quoted glob). The images
+are scored with the version the model URI names (an alias is resolved to its version first) into
+WORKDIR/predictions/<input digest>-<model>-v<version>/: predictions.parquet (one row per image), summary.json
+and drift.png. The same input with the same version is never scored twice: the job returns the earlier
+outputs. Files that cannot be read are listed and skipped.
+
+Every job compares what it scored with the version's monitoring reference (cifar.monitoring): image drift,
+predicted-class drift and the share of unsure answers, against the `monitor` thresholds. Above one, the
+flow run ends in the state "Drift detected" with a `cifar-drift` warning artifact, and emits the Prefect
+event `cifar.drift.detected` (prefect.yaml's nightly retrain has a trigger on it, off by default). Each
+scoring is an MLflow run in the experiment `cifar10-predictions`, linked to the model version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+from cifar.quiet import quiet_environment  # noqa: E402
+
+quiet_environment()
+# The job draws its own progress bar; MLflow's bar for the model's download would be a second one.
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+from prefect import flow, task  # noqa: E402
+from prefect.artifacts import create_markdown_artifact  # noqa: E402
+from prefect.cache_policies import NO_CACHE  # noqa: E402
+from prefect.events import emit_event  # noqa: E402
+from prefect.runtime import flow_run  # noqa: E402
+from prefect.states import Completed  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
+
+from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir  # noqa: E402
+from cifar.data.additions import RESIZE_METHODS  # noqa: E402
+from cifar.predict import DEFAULT_MODEL, KIND_NAMES, PredictionResult, open_source, parse_model_uri  # noqa: E402
+from cifar.predict import predict as predict_images  # noqa: E402
+from cifar.tracking import resolve_tracking_uri  # noqa: E402
+from flows.pipeline import dry_run_plan  # noqa: E402
+from tasks.artifacts import ProgressReporter, mlflow_run_link  # noqa: E402
+
+DRIFT_EVENT = "cifar.drift.detected"  # prefect.yaml's drift trigger on the nightly retrain expects this name.
+DRIFT_DETECTED = "Drift detected"  # The Completed state's name when the scored images drifted.
+ResizeMethod = Literal["bilinear", "bicubic", "lanczos", "box", "nearest"]
+
+
+class Progress:
+    """The job's progress on the terminal (a bar, when it is one) and in Prefect (a progress artifact)."""
+
+    def __init__(self, description: str) -> None:
+        from tqdm import tqdm
+
+        self.reporter = ProgressReporter("predict-progress", description)
+        self.bar = tqdm(desc=description, unit="img", disable=None, leave=False)  # None: off unless a terminal.
+
+    def __call__(self, done: int, total: int | None) -> None:
+        if total is not None and self.bar.total != total:
+            self.bar.total = total
+        self.bar.update(done - self.bar.n)
+        if total:
+            self.reporter.update(100.0 * done / total, f"{self.reporter.description}: {done:,} of {total:,}")
+
+    def close(self) -> None:
+        self.bar.close()
+        self.reporter.finish()
+
+
+@task(name="predict", cache_policy=NO_CACHE)
+def predict_task(input: str, model: str, workdir: str, resize: str | None, config: PipelineConfig) -> PredictionResult:
+    """Scores the input (or finds it scored), with the monitoring verdict; the library decides reuse."""
+    progress = Progress(f"Scoring {Path(input).name}")
+    try:
+        return predict_images(
+            open_source(input, resize=resize),
+            workdir,
+            model=model,
+            settings=config.monitor,
+            tracking_uri=resolve_tracking_uri(config.tracking, workdir),
+            progress=progress,
+        )
+    finally:
+        progress.close()
+
+
+def report_markdown(result: PredictionResult) -> str:
+    """The job as a person reads it: what was scored with what, where it went, each value against its threshold."""
+    link = mlflow_run_link(result.tracking_uri, result.mlflow_run_id)
+    run = f"[{link['mlflow_run_name']}]({link['mlflow_run_url']})" if link.get("mlflow_run_url") else "-"
+    rows = [
+        ("Input", f"`{result.input}` ({KIND_NAMES[result.kind]}, digest `{result.digest[:16]}`)"),
+        ("Model", f"{result.model_name} v{result.model_version} (`{result.model_uri}`)"),
+        ("Images scored", f"{result.images:,}" + (" (already scored: not scored again)" if result.reused else "")),
+        ("Files skipped", f"{len(result.problems):,}"),
+        ("Predictions", f"`{result.predictions_path}`"),
+        ("Drift report", f"`{result.drift_png}`"),
+        ("Throughput", f"{result.images_per_second:,.0f} images/s"),
+        ("MLflow run", run),
+        ("Verdict", result.verdict()),
+    ]
+    lines = [f"# Batch prediction: {DRIFT_DETECTED.lower() if result.drift else 'done'}", ""]
+    lines += ["| | |", "|---|---|", *[f"| {name} | {value} |" for name, value in rows]]
+    report = result.monitoring
+    if report is not None:
+        thresholds = report.thresholds
+        increase = report.low_confidence_share - report.reference_low_confidence_share
+        image = f"image drift (Jensen-Shannon, {report.worst_feature})"
+        unsure = f"unsure answers (below {thresholds['confidence_threshold']:g}), rise over the test split's"
+        measures = [
+            (image, f"{report.image_drift_max:.4f}", f"{thresholds['max_image_drift']:g}"),
+            (
+                "prediction drift (L-infinity)",
+                f"{report.prediction_drift:.3f}",
+                f"{thresholds['max_prediction_drift']:g}",
+            ),
+            (unsure, f"{100 * increase:+.1f} points", f"{100 * thresholds['max_low_confidence_increase']:g} points"),
+        ]
+        lines += ["", "| measure | value | threshold |", "|---|---:|---:|"]
+        lines += [f"| {name} | {value} | {threshold} |" for name, value, threshold in measures]
+    if result.problems:
+        lines += ["", "| skipped file | problem | detail |", "|---|---|---|"]
+        lines += [f"| `{problem.file}` | {problem.problem} | {problem.detail} |" for problem in result.problems[:50]]
+        if len(result.problems) > 50:
+            lines.append(f"| ... {len(result.problems) - 50} more in summary.json | | |")
+    return "\n".join(lines) + "\n"
+
+
+def drift_markdown(result: PredictionResult) -> str:
+    reasons = "\n".join(f"- {reason}" for reason in result.monitoring.reasons)
+    return (
+        f"# Warning: drift in the images scored by {result.model_name} v{result.model_version}\n\n"
+        f"{result.images:,} images of `{result.input}`:\n\n{reasons}\n\n"
+        f"Histograms against the model's reference: `{result.drift_png}`. Retraining on the same labelled data "
+        "does not cure drift: label some of these images and ingest them (flows/ingest.py), then retrain.\n"
+    )
+
+
+def emit_drift(result: PredictionResult, workdir: str) -> None:
+    """The `cifar.drift.detected` event: which model version saw drift in which input, and the values."""
+    report = result.monitoring
+    emit_event(
+        event=DRIFT_EVENT,
+        resource={
+            "prefect.resource.id": f"cifar.model.{result.model_name}.{result.model_version}",
+            "prefect.resource.name": f"{result.model_name} v{result.model_version}",
+        },
+        payload={
+            "model": result.model_name,
+            "version": result.model_version,
+            "input": result.input,
+            "input_digest": result.digest,
+            "images": result.images,
+            "values": report.metrics(),
+            "reasons": report.reasons,
+            "predictions": result.predictions_path,
+            "workdir": workdir,
+        },
+    )
+
+
+def human_flow_run_name() -> str:
+    """The flow run's name in the Prefect UI: what it scores with which model, `predict-test_batch-cifar10@champion`."""
+    parameters = flow_run.parameters
+    model = str(parameters.get("model") or DEFAULT_MODEL).removeprefix("models:/").replace("/", "-v")
+    return f"predict-{Path(str(parameters.get('input', ''))).name or 'input'}-{model}"
+
+
+@flow(name="cifar-predict", log_prints=True, flow_run_name=human_flow_run_name)
+def predict(
+    input: str,
+    model: str = DEFAULT_MODEL,
+    workdir: str = "./workdir",
+    resize: ResizeMethod | None = None,
+    config: ConfigOverrides = ConfigOverrides(),
+) -> Any:
+    """Scores unlabelled images with a registered model, and judges their drift against the model's reference.
+
+    Args:
+        input: A path on the worker: a folder of PNG/JPEG files, a CIFAR batch file, a .npy uint8 array
+            (N, 32, 32, 3), or .tfrecord shards (a file, a directory, or a glob).
+        model: models:/<name>@<alias> or models:/<name>/<version>; an alias is resolved to its version.
+        workdir: Where predictions/ goes (and the MLflow store, unless tracking.tracking_uri or
+            MLFLOW_TRACKING_URI says otherwise).
+        resize: Resize images of another size with this method (folders only; recorded). None refuses them.
+        config: The drift thresholds (monitor.*) and the MLflow store (tracking.*); None means the preset's.
+    """
+    overrides = config
+    config = overrides.resolve()
+    plan = dry_run_plan("cifar-predict", config, workdir, input=input, model=model, resize=resize)
+    if plan:
+        return plan
+    workdir = str(resolve_workdir(workdir))
+    result = predict_task(input, model, workdir, resize, config)
+    create_markdown_artifact(report_markdown(result), key="cifar-predict", description="Batch prediction")
+    print(result.summary())
+    summary = result.model_dump(mode="json") | {"drift": result.drift, "verdict": result.verdict()}
+    if not result.drift:
+        return summary
+    create_markdown_artifact(drift_markdown(result), key="cifar-drift", description=DRIFT_DETECTED)
+    emit_drift(result, workdir)
+    return Completed(name=DRIFT_DETECTED, message=result.verdict(), data=summary)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python flows/predict.py",
+        description="Score unlabelled images with a registered model and judge their drift (Prefect flow "
+        "`cifar-predict`).",
+        epilog="Example: python flows/predict.py --input /tmp/cifar-10-batches-py/test_batch --workdir workdir",
+    )
+    add = parser.add_argument
+    kinds = "a folder of PNG/JPEG files, a CIFAR batch file, a .npy uint8 array (N, 32, 32, 3), or .tfrecord shards"
+    add("--input", required=True, metavar="PATH", help=f"{kinds} (a file, a directory or a quoted glob)")
+    add("--model", default=DEFAULT_MODEL, help=f"models:/<name>@<alias> or models:/<name>/<version> ({DEFAULT_MODEL})")
+    add("--workdir", default="./workdir", help="where predictions/ goes; its MLflow store unless MLFLOW_TRACKING_URI")
+    add("--resize", choices=RESIZE_METHODS, help="resize images of another size with this method (recorded)")
+    help_set = "override one config field, e.g. --set monitor.max_image_drift=0.1 (repeatable; values parse as JSON)"
+    add("--set", action="append", metavar="SECTION.FIELD=VALUE", help=help_set)
+    return parser
+
+
+def overrides_from_args(args: argparse.Namespace) -> ConfigOverrides:
+    from flows.cli import ConfigError, describe_validation_error, parse_overrides
+
+    try:
+        overrides = ConfigOverrides.model_validate(parse_overrides(args.set or []))
+        overrides.resolve()
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error)) from None
+    return overrides
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from flows.cli import SUPERVISED_ENV, log_to_file, prepare_ephemeral_database, supervise
+
+    args = build_parser().parse_args(argv)
+    try:  # Everything a person can get wrong is checked here, before any work: one `error:` line, exit 2.
+        overrides = overrides_from_args(args)
+        parse_model_uri(args.model)
+        source = open_source(args.input, resize=args.resize)
+        workdir = resolve_workdir(args.workdir)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if os.environ.get(SUPERVISED_ENV) != "1" and sys.platform == "linux":
+        prepare_ephemeral_database()
+        return supervise(sys.argv[1:] if argv is None else list(argv), script="predict.py")
+    log_path = log_to_file(workdir, "predict")
+    try:
+        state = predict(
+            input=source.path,
+            model=args.model,
+            workdir=str(workdir),
+            resize=args.resize,
+            config=overrides,
+            return_state=True,
+        )
+        summary = state.result()
+    except Exception as error:
+        with open(log_path, "a", encoding="utf-8") as log:
+            log.write(traceback.format_exc())
+        print(f"error: {error} (full log: {log_path})", file=sys.stderr)
+        return 1
+    print(PredictionResult.model_validate({key: summary[key] for key in PredictionResult.model_fields}).summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
