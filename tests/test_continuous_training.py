@@ -30,6 +30,7 @@ pytestmark = pytest.mark.integration
 
 TRAIN_PER_BATCH, TEST_EXAMPLES = 100, 200
 DEBOUNCE_SECONDS = 60  # prefect.yaml: the trigger's `within` and `schedule_after`.
+TEST_DEBOUNCE_SECONDS = 20  # The same automation, its window shortened: the test checks the mechanism, faster.
 
 
 def smoke_config() -> dict:
@@ -71,10 +72,27 @@ def loop(tmp_path_factory) -> tuple[Stack, dict]:
         server.stop()
 
 
-def run_nightly(stack: Stack, nightly: dict, workdir: Path) -> dict:
+def shorten_debounce(api_url: str) -> None:
+    """The retrain trigger prefect.yaml made, checked as written, then with a shorter window for speed."""
+    automations = httpx.post(f"{api_url}/automations/filter", json={}, timeout=30).json()
+    (automation,) = [item for item in automations if item["name"] == "cifar-retrain-on-new-data"]
+    trigger, (action,) = automation["trigger"], automation["actions"]
+    assert (trigger["expect"], trigger["posture"], trigger["within"]) == (["cifar.data.added"], "Reactive", 60.0)
+    assert action["type"] == "run-deployment" and action["schedule_after"] == 60.0
+    assert action["parameters"] == {"workdir": "{{ event.payload.workdir }}"}
+    trigger["within"], action["schedule_after"] = TEST_DEBOUNCE_SECONDS, TEST_DEBOUNCE_SECONDS
+    fields = ("name", "description", "enabled", "tags", "trigger", "actions", "actions_on_trigger",
+              "actions_on_resolve", "owner_resource")  # fmt: skip
+    body = {key: automation[key] for key in fields if key in automation}
+    response = httpx.put(f"{api_url}/automations/{automation['id']}", json=body, timeout=30)
+    assert response.status_code == 204, response.text
+
+
+def run_nightly(stack: Stack, nightly: dict, workdir: Path, config: dict | None = None) -> dict:
+    parameters = {"workdir": str(workdir)} | ({"config": config} if config else {})
     response = httpx.post(
         f"{stack.server.api_url}/deployments/{nightly['id']}/create_flow_run",
-        json={"parameters": {"workdir": str(workdir)}},
+        json={"parameters": parameters},
         timeout=30,
     )
     assert response.status_code == 201, response.text
@@ -121,17 +139,12 @@ def test_new_data_retrains_once_and_the_challenger_is_judged_on_the_same_images(
     batch = write_batch_file(tmp_path / "data_batch_5", left_out[0][400:], left_out[1][400:], name="data_batch_5")
     folder = write_image_folder(tmp_path / "new-photos", *make_split(40, seed=99))
     workdir = tmp_path / "workdir"
-    # The workdir's first pipeline run records its archive; the retrains take the archive from there.
-    first_data = subprocess.run(
-        [sys.executable, "flows/pipeline.py", "--source", str(archive), "--sha256", file_digest(archive),
-         "--workdir", str(workdir), "--until", "data", "--preset", "smoke",
-         "--set", "data.expect_official_counts=false", "--set", "data.validation_size=100"],
-        cwd=REPO_ROOT, env=stack.env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert first_data.returncode == 0, first_data.stderr[-3000:]
 
-    # No champion yet: the nightly run trains the first one.
-    first = run_nightly(stack, nightly, workdir)
+    # No champion yet: the nightly run, told the archive this once, trains the first one. The workdir
+    # records the archive; every later retrain takes it from there.
+    config = smoke_config()
+    config["data"] |= {"source": str(archive), "sha256": file_digest(archive)}
+    first = run_nightly(stack, nightly, workdir, config)
     assert first["state"]["type"] == "COMPLETED", stack.diagnostics()
     tracking_uri = f"sqlite:///{workdir / 'mlflow.db'}"
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
@@ -166,7 +179,7 @@ def test_new_data_retrains_once_and_the_challenger_is_judged_on_the_same_images(
     (triggered,) = triggered_runs(stack, nightly)
     finished = wait_for(stack, triggered["id"])
     assert finished["state"]["type"] == "COMPLETED", stack.diagnostics()
-    time.sleep(max(0.0, first_event + DEBOUNCE_SECONDS + 15 - time.monotonic()))  # Past any second schedule.
+    time.sleep(max(0.0, first_event + TEST_DEBOUNCE_SECONDS + 10 - time.monotonic()))  # Past any second schedule.
     assert len(triggered_runs(stack, nightly)) == 1
 
     summary = json.loads((workdir / "summary.json").read_text())
