@@ -90,6 +90,19 @@ class Champion(BaseModel):
     run_id: str | None = None
     source: str | None = None  # The logged model's URI.
 
+    @classmethod
+    def of_version(cls, model_name: str, version) -> Champion:
+        """The record of a registry version (MLflow's ModelVersion)."""
+        accuracy = version.tags.get(ACCURACY_TAG)
+        return cls(
+            model_name=model_name,
+            version=int(version.version),
+            test_accuracy=float(accuracy) if accuracy is not None else None,
+            trained_with=TrainedWith.from_tags(version.tags),
+            run_id=version.run_id,
+            source=version.source,
+        )
+
 
 def find_champion(tracking_uri: str, model_name: str) -> Champion | None:
     """The current champion of `model_name` in the registry at `tracking_uri`, or None when there is none."""
@@ -103,12 +116,4 @@ def find_champion(tracking_uri: str, model_name: str) -> Champion | None:
         version = mlflow_client(tracking_uri).get_model_version_by_alias(model_name, CHAMPION_ALIAS)
     except MlflowException:  # No such registered model, or no champion yet.
         return None
-    accuracy = version.tags.get(ACCURACY_TAG)
-    return Champion(
-        model_name=model_name,
-        version=int(version.version),
-        test_accuracy=float(accuracy) if accuracy is not None else None,
-        trained_with=TrainedWith.from_tags(version.tags),
-        run_id=version.run_id,
-        source=version.source,
-    )
+    return Champion.of_version(model_name, version)

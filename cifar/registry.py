@@ -330,19 +330,12 @@ def monitoring_reference(data_dir: str | Path, test_probabilities: np.ndarray, t
 
 def _previous_champion(client, model_name: str, version: int):
     """The champion before `version` took the alias (from the history), for a decision taken again."""
-    from cifar.champion import Champion, TrainedWith
+    from cifar.champion import Champion
 
     earlier = [move for move in champion_history(client, model_name) if move["version"] != version]
     if not earlier:
         return None
-    previous = client.get_model_version(model_name, str(earlier[-1]["version"]))
-    accuracy = previous.tags.get(ACCURACY_TAG)
-    return Champion(
-        model_name=model_name,
-        version=int(previous.version),
-        test_accuracy=float(accuracy) if accuracy is not None else None,
-        trained_with=TrainedWith.from_tags(previous.tags),
-    )
+    return Champion.of_version(model_name, client.get_model_version(model_name, str(earlier[-1]["version"])))
 
 
 def _record(client, config: PipelineConfig, key: str, version: int, model_uri: str, comparison: Comparison):
