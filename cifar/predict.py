@@ -25,7 +25,8 @@ current thresholds, from the recorded profile).
 
 Memory: images stream in chunks of `chunk_size`: read, scored with the registered pyfunc (as serving loads
 it), their features and answers summed into the monitoring profile, their rows appended to the Parquet
-file as one row group. Nothing grows with the input but the list of a folder's files and of the problems.
+file as one row group. Reading and the features of the next chunks run in a thread while the model scores
+(`read_ahead`). Nothing grows with the input but the list of a folder's files and of the problems.
 
 Monitoring (cifar.monitoring): the images' drift profile, the answers' class counts and low-confidence
 share, against the version's recorded reference (its training images, its answers on the test split).
@@ -60,8 +61,8 @@ from cifar.io import CHUNK_BYTES, atomic_directory, atomic_write_bytes, atomic_w
 from cifar.monitoring import MonitoringReference, MonitoringReport, answers_summary, load_reference, monitor
 
 DEFAULT_MODEL = "models:/cifar10@champion"
-# Images per predict call, read, scored and written at a time: large enough that the model's per-call cost
-# is amortised (throughput flattens above a few hundred), small enough to keep memory at a few MB per chunk.
+# Images read, scored and written at a time: enough to amortise each call's fixed cost (the signature call,
+# a Parquet row group), few enough that a chunk in flight takes tens of MB (3 MB of pixels, 12 MB as floats).
 CHUNK_IMAGES = 1000
 EXPERIMENT = "cifar10-predictions"  # The MLflow experiment of prediction jobs.
 PREDICTIONS_DIR = "predictions"  # WORKDIR/predictions/<key>/
@@ -88,12 +89,6 @@ class ImageSource:
     files: tuple[str, ...]  # Every file the source covers, sorted: what its digest reads.
     not_regular: frozenset[str] = frozenset()  # Links and special files of a folder: listed, never read.
     resize: str | None = None
-    count: int | None = None  # Images, where known without decoding them (.npy).
-
-    @property
-    def items(self) -> int | None:
-        """What progress counts: files of a folder, images of a .npy; None until read (batch file, TFRecords)."""
-        return len(self.files) if self.kind == "folder" else self.count
 
 
 @dataclass
@@ -104,6 +99,7 @@ class Chunk:
     names: list[str]  # Per image: its file (folder) or `<file>#<index>`.
     problems: list[FileProblem] = field(default_factory=list)
     consumed: int = 0  # Progress made: files of a folder, images otherwise.
+    total: int | None = None  # What progress counts up to, once the reader knows.
 
 
 def parse_model_uri(model: str) -> tuple[str, str | None, int | None]:
@@ -171,8 +167,8 @@ def _directory(path: Path) -> ImageSource:
 
 def _single_file(path: Path) -> ImageSource:
     if path.name.endswith(".npy"):
-        count, _, _ = npy_layout(path)
-        return ImageSource(kind="npy", path=str(path), root=path.parent, files=(path.name,), count=count)
+        npy_layout(path)  # Refuses another dtype or shape now, before any work.
+        return ImageSource(kind="npy", path=str(path), root=path.parent, files=(path.name,))
     if path.name.endswith(TFRECORD_SUFFIX):
         return ImageSource(kind="tfrecord", path=str(path), root=path.parent, files=(path.name,))
     with open(path, "rb") as handle:
@@ -272,7 +268,7 @@ def read_ahead(source: ImageSource, chunk_size: int = CHUNK_IMAGES, depth: int =
 
 
 def _folder_chunks(source: ImageSource, chunk_size: int) -> Iterator[Chunk]:
-    chunk = Chunk(np.zeros((0, *IMAGE_SHAPE), np.uint8), [])
+    chunk = Chunk(np.zeros((0, *IMAGE_SHAPE), np.uint8), [], total=len(source.files))
     images: list[np.ndarray] = []
     for relative in source.files:
         chunk.consumed += 1
@@ -289,7 +285,7 @@ def _folder_chunks(source: ImageSource, chunk_size: int) -> Iterator[Chunk]:
         if len(images) == chunk_size:
             chunk.images = np.stack(images)
             yield chunk
-            chunk, images = Chunk(np.zeros((0, *IMAGE_SHAPE), np.uint8), []), []
+            chunk, images = Chunk(np.zeros((0, *IMAGE_SHAPE), np.uint8), [], total=len(source.files)), []
     if images or chunk.problems:
         if images:
             chunk.images = np.stack(images)
@@ -304,7 +300,7 @@ def _batch_chunks(source: ImageSource, chunk_size: int) -> Iterator[Chunk]:
     for start in range(0, len(rows), chunk_size):
         stop = min(start + chunk_size, len(rows))
         names = [f"{name}#{index}" for index in range(start, stop)]
-        yield Chunk(rows_to_images([rows[start:stop]]), names, consumed=stop - start)
+        yield Chunk(rows_to_images([rows[start:stop]]), names, consumed=stop - start, total=len(rows))
 
 
 def _npy_chunks(source: ImageSource, chunk_size: int) -> Iterator[Chunk]:
@@ -324,18 +320,21 @@ def _npy_chunks(source: ImageSource, chunk_size: int) -> Iterator[Chunk]:
                     raise ValueError(f"{path} ends before its {count:,} images: truncated")
             else:  # Fortran order (rare): copied out of the map.
                 images = np.ascontiguousarray(np.load(path, mmap_mode="r", allow_pickle=False)[start:stop])
-            yield Chunk(images, [f"{name}#{index}" for index in range(start, stop)], consumed=stop - start)
+            names = [f"{name}#{index}" for index in range(start, stop)]
+            yield Chunk(images, names, consumed=stop - start, total=count)
 
 
 def _tfrecord_chunks(source: ImageSource, chunk_size: int) -> Iterator[Chunk]:
     readable, problems = check_shards(source, chunk_size)
+    total = sum(count for _, count in readable)
     if problems:
-        yield Chunk(np.zeros((0, *IMAGE_SHAPE), np.uint8), [], problems)
+        yield Chunk(np.zeros((0, *IMAGE_SHAPE), np.uint8), [], problems, total=total)
     for name, _count in readable:
         index = 0
         for images in _shard_dataset(source.root / name, chunk_size):
             batch = images.numpy()  # (B, 32, 32, 3)
-            yield Chunk(batch, [f"{name}#{position}" for position in range(index, index + len(batch))], [], len(batch))
+            names = [f"{name}#{position}" for position in range(index, index + len(batch))]
+            yield Chunk(batch, names, consumed=len(batch), total=total)
             index += len(batch)
 
 
@@ -634,7 +633,7 @@ def _score(job: Job, model: ScoringModel, progress: Callable[[int, int | None], 
                         names.update(zip(outputs["class_ids"].tolist(), outputs["class_names"].tolist()))
                     done += chunk.consumed
                     if progress is not None:
-                        progress(done, source.items)
+                        progress(done, chunk.total)
             class_counts = [int(count) for count in counts]
             profile = profile.model_copy(update={"classes": class_counts})
             share = low / images if images else 0.0
