@@ -77,21 +77,38 @@ def describe_validation_error(error: ValidationError) -> str:
     return "invalid configuration: " + "; ".join(lines)
 
 
+def _assignments(args: argparse.Namespace) -> dict[str, Any]:
+    """`--set` and, where the command has them, --source/--sha256/--md5, as nested override values."""
+    overrides = parse_overrides(args.set or [])
+    given = {field: getattr(args, field, None) for field in ("source", "sha256", "md5")}
+    archive = {field: value for field, value in given.items() if value is not None}
+    if archive:
+        data = overrides.setdefault("data", {})
+        if not isinstance(data, dict):
+            raise ConfigError("--set data=... must name a field: data.source=..., data.sha256=...")
+        data.update(archive)
+    return overrides
+
+
 def config_from_args(args: argparse.Namespace) -> PipelineConfig:
     """The validated config of a command line; raises ConfigError naming the bad field."""
-    overrides = parse_overrides(args.set or [])
-    data = overrides.setdefault("data", {})
-    if not isinstance(data, dict):
-        raise ConfigError("--set data=... must name a field: data.source=..., data.sha256=...")
-    for field in ("source", "sha256", "md5"):
-        if getattr(args, field) is not None:
-            data[field] = getattr(args, field)
+    overrides = _assignments(args)
     if args.fresh:
         overrides.setdefault("train", {})["resume"] = False
     try:
         return make_config(args.preset, overrides)
     except ValidationError as error:
         raise ConfigError(describe_validation_error(error)) from None
+
+
+def overrides_from_args(args: argparse.Namespace) -> ConfigOverrides:
+    """The validated overrides of a command whose flow takes them (ingest, predict); ConfigError names the field."""
+    try:
+        overrides = ConfigOverrides.model_validate(_assignments(args))
+        overrides.resolve()
+    except ValidationError as error:
+        raise ConfigError(describe_validation_error(error)) from None
+    return overrides
 
 
 def add_archive_arguments(parser: argparse.ArgumentParser) -> None:

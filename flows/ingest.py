@@ -32,7 +32,6 @@ quiet_environment()
 
 from prefect import flow, task  # noqa: E402
 from prefect.events import emit_event  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
 
 from cifar.champion import find_champion  # noqa: E402
 from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir  # noqa: E402
@@ -143,24 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def overrides_from_args(args: argparse.Namespace) -> ConfigOverrides:
-    from flows.cli import ConfigError, describe_validation_error, parse_overrides
-
-    values = parse_overrides(args.set or [])
-    data = values.setdefault("data", {})
-    for field in ("source", "sha256", "md5"):
-        if getattr(args, field) is not None:
-            data[field] = getattr(args, field)
-    try:
-        overrides = ConfigOverrides.model_validate(values)
-        overrides.resolve()
-    except ValidationError as error:
-        raise ConfigError(describe_validation_error(error)) from None
-    return overrides
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    from flows.cli import SUPERVISED_ENV, log_to_file, prepare_ephemeral_database, supervise
+    from flows.cli import SUPERVISED_ENV, log_to_file, overrides_from_args, prepare_ephemeral_database, supervise
 
     args = build_parser().parse_args(argv)
     try:

@@ -43,7 +43,6 @@ from prefect.cache_policies import NO_CACHE  # noqa: E402
 from prefect.events import emit_event  # noqa: E402
 from prefect.runtime import flow_run  # noqa: E402
 from prefect.states import Completed  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
 
 from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir  # noqa: E402
 from cifar.data.additions import RESIZE_METHODS  # noqa: E402
@@ -232,19 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def overrides_from_args(args: argparse.Namespace) -> ConfigOverrides:
-    from flows.cli import ConfigError, describe_validation_error, parse_overrides
-
-    try:
-        overrides = ConfigOverrides.model_validate(parse_overrides(args.set or []))
-        overrides.resolve()
-    except ValidationError as error:
-        raise ConfigError(describe_validation_error(error)) from None
-    return overrides
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    from flows.cli import SUPERVISED_ENV, log_to_file, prepare_ephemeral_database, supervise
+    from flows.cli import SUPERVISED_ENV, log_to_file, overrides_from_args, prepare_ephemeral_database, supervise
 
     args = build_parser().parse_args(argv)
     try:  # Everything a person can get wrong is checked here, before any work: one `error:` line, exit 2.

@@ -61,7 +61,7 @@ def test_training_key_follows_the_data_the_training_settings_and_the_seed():
 def test_training_key_ignores_resume_the_folder_name_and_later_stages():
     base = training_key(config(), "data-a")
     assert training_key(config(train={"resume": False, "run_name": "nightly-1"}), "data-a") == base
-    assert training_key(config(evaluate={"flip_tta": True}, export={"tolerance": 0.1}), "data-a") == base
+    assert training_key(config(evaluate={"flip_tta": True}, export={"min_improvement": 0.1}), "data-a") == base
     assert training_key(config(tracking={"tracking_uri": "http://127.0.0.1:5000"}), "data-a") == base
 
 
@@ -78,7 +78,7 @@ def test_later_keys_follow_what_they_read():
     registered = registration_key(config(), "export-1", "sqlite:///a.db")
     assert registration_key(config(), "export-2", "sqlite:///a.db") != registered
     assert registration_key(config(), "export-1", "sqlite:///b.db") != registered
-    assert registration_key(config(export={"tolerance": 0.1}), "export-1", "sqlite:///a.db") != registered
+    assert registration_key(config(export={"min_improvement": 0.1}), "export-1", "sqlite:///a.db") != registered
 
 
 # Code versions, derived from the import graph.

@@ -203,7 +203,7 @@ def test_contract_error_keeps_its_message_when_the_server_prefixes_the_request()
 class CheckedSum(PythonModel):
     """A stand-in for SavedModelClassifier without TensorFlow: checks its input, answers the pixel sum."""
 
-    def predict(self, context, model_input, params=None):
+    def predict(self, context, model_input: np.ndarray, params: dict | None = None) -> dict[str, list]:
         images = validate_images(model_input)
         return {"dtype": [str(images.dtype)], "sum": [int(images.sum(dtype=np.int64))]}
 

@@ -44,7 +44,7 @@ def archive_info(path: str) -> ArchiveInfo:
     return ArchiveInfo(path=str(Path(path).resolve()), sha256=digests["sha256"], md5=digests["md5"], source=path)
 
 
-def test_images(count: int = TEST_EXAMPLES) -> np.ndarray:
+def official_test_images(count: int = TEST_EXAMPLES) -> np.ndarray:
     return source_arrays(train_per_batch=TRAIN_PER_BATCH, test_examples=TEST_EXAMPLES)["test"][0][:count]
 
 
@@ -118,13 +118,13 @@ def test_drift_measures_on_known_histograms():
     assert js_divergence([10, 0], [0, 10]) == pytest.approx(1.0)
     assert js_divergence([1, 1], [1, 3]) == pytest.approx(0.0488, abs=1e-4)
     assert linf_distance([8, 2, 0], [1, 1, 0]) == pytest.approx(0.3)
-    images = test_images(50)
+    images = official_test_images(50)
     half = Profile.of(image_features(images[:25])) + Profile.of(image_features(images[25:]))
     assert half == Profile.of(image_features(images))  # Profiles of parts add up to the whole's.
 
 
 def test_near_duplicates_survive_shifts_crops_colour_and_jpeg_but_different_images_do_not_match():
-    originals = test_images(40)
+    originals = official_test_images(40)
     padded = np.pad(originals, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="reflect")
     shifted = padded[:, :32, 2:34]  # One pixel down and one to the left.
     cropped = np.stack([np.asarray(Image.fromarray(im[2:30, 2:30]).resize((32, 32))) for im in originals[:10]])
@@ -203,7 +203,7 @@ def test_a_bad_addition_is_refused_with_one_line_naming_the_check_and_files(
 
 def test_a_shifted_test_image_in_an_addition_is_leakage_kept_out_of_training(python_archive, base_workdir, tmp_path):
     images, labels = make_split(60, seed=12)
-    test = test_images()
+    test = official_test_images()
     padded = np.pad(test[7:8], ((0, 0), (1, 1), (1, 1), (0, 0)), mode="reflect")
     images[4] = padded[0, 2:34, 1:33]  # Test image 7, one pixel to the left.
     images[9] = test[12]  # An exact copy of test image 12.
