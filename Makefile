@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
+# Test files run on this many processes, a file on one (its module-scoped servers and runs shared); the
+# slowest files start first (tests/conftest.py). Much of the suite waits on servers and child processes.
+TEST_WORKERS ?= 2
 
 # Servers for the UI path (README "Run on a Prefect server"): all on 127.0.0.1, any free port.
 PREFECT_PORT ?= 4200
@@ -44,7 +47,7 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 test: setup system-deps lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) bench/run_all.py

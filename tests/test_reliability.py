@@ -111,7 +111,10 @@ def test_the_memory_estimate_refuses_what_cannot_fit_and_says_how_much():
 # Concurrency: any number of runs may share a workdir and a tracking store.
 
 
-def test_three_pipelines_started_at_once_on_a_new_workdir_all_finish(python_archive, tmp_path):
+@pytest.fixture(scope="module")
+def three_at_once(python_archive, tmp_path_factory) -> tuple[Path, list[tuple[subprocess.Popen, str]]]:
+    """Three pipelines started at once on a new workdir: their workdir, processes and stderr."""
+    tmp_path = tmp_path_factory.mktemp("three-at-once")
     workdir = tmp_path / "workdir"
     # Two identical commands (one run folder, one export) and a third training into its own folder.
     extras = [(), (), ("--set", "train.run_name=b")]
@@ -120,7 +123,12 @@ def test_three_pipelines_started_at_once_on_a_new_workdir_all_finish(python_arch
                                   env=prefect_env(tmp_path / "prefect-home"))
                  for extra in extras]  # fmt: skip
     outputs = [process.communicate(timeout=600) for process in processes]
-    for process, (_, stderr) in zip(processes, outputs):
+    return workdir, [(process, stderr) for process, (_, stderr) in zip(processes, outputs)]
+
+
+def test_three_pipelines_started_at_once_on_a_new_workdir_all_finish(three_at_once):
+    workdir, finished = three_at_once
+    for process, stderr in finished:
         assert process.returncode == 0, stderr[-4000:]
     summary = assert_consistent(workdir)
     database = Path(summary["tracking_uri"].removeprefix("sqlite:///"))
@@ -137,9 +145,9 @@ def test_three_pipelines_started_at_once_on_a_new_workdir_all_finish(python_arch
 # Kills: SIGKILL of the whole process group inside each stage, then a re-run.
 
 
-def test_a_run_killed_inside_each_stage_in_turn_ends_as_a_clean_run_does(python_archive, tmp_path):
-    clean_workdir = tmp_path / "clean" / "workdir"
-    assert run(python_archive, clean_workdir).returncode == 0
+def test_a_run_killed_inside_each_stage_in_turn_ends_as_a_clean_run_does(python_archive, tmp_path, three_at_once):
+    clean_workdir, finished = three_at_once  # Clean runs of the same command (the first two).
+    assert all(process.returncode == 0 for process, _ in finished)
     clean = assert_consistent(clean_workdir)
 
     workdir = tmp_path / "killed" / "workdir"
