@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -331,7 +332,9 @@ def test_a_search_runs_trials_in_parallel_prunes_and_registers_the_best(search):
 def test_a_killed_search_resumes_its_study_without_rerunning_finished_trials(search):
     assert search.killed_returncode == -signal.SIGKILL
     assert 2 <= len(search.finished_at_kill) < TRIALS
-    assert f"{len(search.finished_at_kill)} of {TRIALS} trials finished" in search.resumed_output
+    # Trials in flight at the kill go on on their workers, so more may have finished when the search resumes.
+    resumed = re.search(rf"(\d+) of {TRIALS} trials finished", search.resumed_output)
+    assert resumed and len(search.finished_at_kill) <= int(resumed.group(1)) <= TRIALS, search.resumed_output[-3000:]
     trials = {row["number"]: row for row in search.summary["trials"]}
     for number, finished in search.finished_at_kill.items():  # Untouched by the second attempt.
         assert trials[number]["finished"] == finished
