@@ -223,6 +223,14 @@ def _mlflow_link(summary: dict[str, Any]) -> str | None:
     return f"{link} (local store: run `{command}` first)" if command else link
 
 
+def _largest_drop(comparison: dict) -> str:
+    """The largest per-class loss in words (a drop is a positive number of points)."""
+    drop = comparison["largest_class_drop"]
+    if drop <= 0:
+        return "No class lost accuracy."
+    return f"Largest class drop: {comparison['largest_drop_class']}, {100 * drop:.2f} points."
+
+
 def _percent(value: Any) -> str | None:
     return None if value is None else f"{100 * float(value):.2f} %"
 
@@ -276,8 +284,7 @@ def comparison_markdown(comparison: dict[str, Any]) -> str:
             f"| right only for this model | {comparison['challenger_only']} | {comparison['champion_only']} |",
             "",
             f"McNemar's exact test on the {comparison['challenger_only'] + comparison['champion_only']} images where "
-            f"they disagree: p = {comparison['p_value']:.4g}. Largest class drop: "
-            f"{comparison['largest_drop_class']} {100 * comparison['largest_class_drop']:+.2f} points.",
+            f"they disagree: p = {comparison['p_value']:.4g}. {_largest_drop(comparison)}",
         ]
     thresholds = ", ".join(f"{name} {value:g}" for name, value in comparison["thresholds"].items())
     lines += [

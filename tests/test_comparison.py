@@ -98,3 +98,16 @@ def test_the_comparison_reports_both_models_per_class_and_on_new_data():
     assert rows[0] == {"class": "class0", "champion": 0.0, "challenger": 1.0, "difference": 1.0}
     assert comparison.challenger.new_data_accuracy == 1.0 and comparison.champion.new_data_accuracy == 0.5
     assert comparison.new_data_examples == 4 and comparison.difference == pytest.approx(0.1)
+
+
+def test_the_comparison_reads_as_a_person_reads_it():
+    from tasks.artifacts import comparison_markdown
+
+    spread = list(range(0, 1000, 7))[:100]
+    class_three = [index for index in range(1000) if index % 10 == 3][:30]
+    dropped = comparison_markdown(decide(sorted(set(spread) | set(class_three)), spread).model_dump(mode="json"))
+    assert "# Challenger v2: not promoted (class_drop)" in dropped
+    assert "| version | v2 | v1 |" in dropped and "McNemar's exact test on the" in dropped
+    assert "Largest class drop: class3, 2" in dropped and "+2" not in dropped.split("Largest class drop")[1][:20]
+    better = comparison_markdown(decide(spread[30:], spread).model_dump(mode="json"))
+    assert "No class lost accuracy." in better
