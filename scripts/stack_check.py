@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pickle
 import re
 import secrets
 import shlex
@@ -46,7 +45,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import traceback
@@ -702,14 +700,15 @@ def archive_sha256(archive: Path) -> str:
 
 
 def test_images(archive: Path, count: int) -> tuple[np.ndarray, list[int], list[str]]:
-    """The first `count` images of the archive's test batch (uint8 [N, 32, 32, 3]), their labels, class names."""
-    with tarfile.open(archive) as tar:
-        batch = pickle.load(tar.extractfile("cifar-10-batches-py/test_batch"), encoding="bytes")
-        meta = pickle.load(tar.extractfile("cifar-10-batches-py/batches.meta"), encoding="bytes")
-    images = batch[b"data"][:count].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1).astype(np.uint8)
-    labels = [int(label) for label in batch[b"labels"][:count]]
-    names = [name.decode("utf-8") for name in meta[b"label_names"]]
-    return images, labels, names
+    """The first `count` images of the archive's test batch (uint8 [N, 32, 32, 3]), their labels, class names.
+
+    Read as the pipeline reads archives: the restricted unpickler, shapes and labels checked.
+    """
+    from cifar.data.archive import read_archive
+
+    raw = read_archive(archive)
+    labels = [int(label) for label in raw.test_labels[:count]]
+    return np.ascontiguousarray(raw.test_images[:count]), labels, list(raw.class_names)
 
 
 SAVED_MODEL_PREDICT = """
