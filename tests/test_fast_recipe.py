@@ -1,4 +1,4 @@
-"""The pieces of the airbench94 recipe behind the `fast` preset, each checked on its own.
+"""The pieces of the airbench94 recipe behind the `fast-sgd` and `fast` presets, each checked on its own.
 
 Parameter groups of the optimizer, the one-cycle schedule's end points, lookahead, decay of
 biases, alternating flips with reflect-padded translation, and flip + translate test-time
@@ -235,15 +235,21 @@ def test_translate_tta_shifts_by_one_pixel_with_reflection():
     assert tta_logits(model, images, 2).shape == plain.shape
 
 
-def test_fast_preset_config_is_airbench94_converted():
-    train_config = make_config("fast").train
+def test_fast_sgd_preset_config_is_airbench94_converted():
+    train_config = make_config("fast-sgd").train
     assert train_config.batch_size == 1024 and train_config.momentum == 0.85
     assert train_config.learning_rate * train_config.batch_size / 128 == pytest.approx(1.5)
     assert train_config.lookahead_steps == 5 and train_config.ema_decay is None
     with pytest.raises(ValueError, match="at most one"):
-        make_config("fast", {"train": {"ema_decay": 0.99}})
-    optimizer = make_optimizer(make_config("fast"), steps_per_epoch=48)
+        make_config("fast-sgd", {"train": {"ema_decay": 0.99}})
+    optimizer = make_optimizer(make_config("fast-sgd"), steps_per_epoch=48)
+    assert type(optimizer) is GroupedSGD
     assert optimizer.learning_rate_multipliers and list(optimizer.stop_after_steps.values()) == [144]
+
+
+def test_fast_and_sprint_presets_are_the_sgd_recipes_until_muon_wins():
+    for name in ("fast", "sprint"):
+        assert make_config(name) == make_config(f"{name}-sgd").model_copy(update={"preset": name})
 
 
 def test_fast_preset_trains_the_fast_net_end_to_end(data_dir, tmp_path):
