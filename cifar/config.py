@@ -461,8 +461,8 @@ PRESETS["sprint-sgd"] = _deep_merge(
 )
 # The SGD recipes under their own names, for comparison with `fast` and `sprint` (issue 27: Muon). Both
 # stay SGD until Muon matches them in fewer epochs: in 2 epochs instead of 3, Muon fell 0.3 points short
-# of sprint-sgd (3 seeds, 0.65x the time), and in 11 instead of 16 about 0.4 short of fast-sgd (one seed);
-# docs/BENCHMARKS.md has the sitting, the pilots and the ablation.
+# of sprint-sgd (3 seeds, 0.65x the time); against fast-sgd, 11 epochs fell 0.44 short and 12 came within
+# 0.10 in 0.75x the time (one seed each, the candidate for the fast sitting). docs/BENCHMARKS.md has them.
 PRESETS["fast"] = copy.deepcopy(PRESETS["fast-sgd"])
 PRESETS["sprint"] = copy.deepcopy(PRESETS["sprint-sgd"])
 
