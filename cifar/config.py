@@ -460,9 +460,8 @@ PRESETS["sprint-sgd"] = _deep_merge(
     {"train": {"epochs": 3, "batch_size": 512, "warmup_epochs": 0.69, "whitening_bias_epochs": 1.0}},
 )
 # The SGD recipes under their own names, for comparison with `fast` and `sprint` (issue 27: Muon). Both
-# stay SGD until Muon matches them in fewer epochs: in 2 epochs instead of 3, Muon fell 0.3 points short
-# of sprint-sgd (3 seeds, 0.65x the time); against fast-sgd, 11 epochs fell 0.44 short and 12 came within
-# 0.10 in 0.75x the time (one seed each, the candidate for the fast sitting). docs/BENCHMARKS.md has them.
+# stay SGD until a Muon recipe matches them in fewer epochs over 3 seeds; the measurements so far are in
+# docs/BENCHMARKS.md ("Time to accuracy: Muon ...").
 PRESETS["fast"] = copy.deepcopy(PRESETS["fast-sgd"])
 PRESETS["sprint"] = copy.deepcopy(PRESETS["sprint-sgd"])
 
