@@ -1,6 +1,8 @@
 """Time to accuracy, side by side: the SGD recipes against the Muon recipes that replaced them (issue 27).
 
     .venv/bin/python bench/time_to_accuracy.py --write-docs        # the sitting: fast-sgd vs fast, then sprint
+    .venv/bin/python bench/time_to_accuracy.py --presets fast --candidate-set train.optimizer=muon \
+        --candidate-set train.epochs=12                            # a candidate against fast-sgd, no config edit
     .venv/bin/python bench/time_to_accuracy.py run --preset fast --seed 0 --set train.epochs=10 --results FILE
     .venv/bin/python bench/time_to_accuracy.py table FILE          # one row per recorded run (ablations)
 
@@ -10,6 +12,8 @@ runs of a pair alternate (old, new for seed 0; new, old for seed 1; ...) so a ch
 load hits both recipes alike; every run is a fresh process (`run` below) and a fresh run folder, and
 nothing else should run on the machine. Each finished run is one JSON line in the results file, so an
 interrupted sitting continues where it stopped (the runs already recorded are not repeated).
+`--candidate-set` applies overrides to the new recipe's runs, so a candidate is measured against the
+old recipe without editing the presets; the records and the table name each run's overrides.
 
 Measured per run: the epochs; training time, the wall time of `cifar.train.train` (whitening
 initialization, tracing, every epoch, a checkpoint per epoch and the MLflow logging, as the `train`
@@ -40,7 +44,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import common  # noqa: E402
 
-HEADING = "## Time to accuracy: Muon against SGD, side by side"
+HEADING = "## Time to accuracy: Muon against SGD, side by side"  # + the pairs' new presets: one section per sitting.
 PAIRS = (("fast-sgd", "fast"), ("sprint-sgd", "sprint"))  # (old recipe, new recipe), in sitting order.
 DEFAULT_SEEDS = (0, 1, 2)
 ACCEPTED_TIME_RATIO = 0.8  # Issue 27: the new recipe trains in at most 0.8x the old one's time (aim: 0.7x).
@@ -70,6 +74,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--presets", nargs="+", choices=[new for _, new in PAIRS], default=[new for _, new in PAIRS],
         help="Which pairs the sitting runs (each against its -sgd recipe).",
+    )  # fmt: skip
+    parser.add_argument(
+        "--candidate-set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="An override of the new recipe's runs (repeatable): measure a candidate without editing the presets.",
     )  # fmt: skip
     parser.add_argument("--write-docs", action="store_true", help=f"Write the table into {common.DOCS_PATH}.")
     parser.add_argument("--note", default="", help="A note on the machine's state (e.g. quiet, shared).")
@@ -147,21 +155,38 @@ def sitting_order(seeds: Sequence[int], presets: Sequence[str]) -> list[tuple[st
     return order
 
 
+def candidate_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The overrides the sitting applies to the new recipe's runs (as their records store them)."""
+    sys.path.insert(0, str(common.REPO_ROOT))
+    from flows.cli import parse_overrides
+
+    return parse_overrides(args.candidate_set)
+
+
+def sitting_overrides(preset: str, candidate: dict[str, Any]) -> dict[str, Any]:
+    """A run's overrides in the sitting: the candidate's for the new recipes, none for the old."""
+    return candidate if preset in {new for _, new in PAIRS} else {}
+
+
 def run_sitting(args: argparse.Namespace) -> None:
     """Every run of the sitting not yet recorded, one fresh process each, in `sitting_order`."""
     path = results_path(args)
-    done = {(record["preset"], record["seed"]) for record in read_records(path)}
+    candidate = candidate_overrides(args)
+    done = {(record["preset"], record["seed"], json.dumps(record["overrides"], sort_keys=True))
+            for record in read_records(path)}  # fmt: skip
     common_arguments = ["--archive", args.archive, "--workdir", args.workdir]
     if args.sha256:
         common_arguments += ["--sha256", args.sha256]
     if args.keep_runs:
         common_arguments.append("--keep-runs")
     for preset, seed in sitting_order(args.seeds, args.presets):
-        if (preset, seed) in done:
+        overrides = sitting_overrides(preset, candidate)
+        if (preset, seed, json.dumps(overrides, sort_keys=True)) in done:
             print(f"=== {preset} seed {seed}: already recorded in {path}")
             continue
         print(f"=== {preset} seed {seed} (load average {common.load_average()})", flush=True)
         command = [sys.executable, __file__, *common_arguments, "run", "--preset", preset, "--seed", str(seed)]
+        command += [f"--set={assignment}" for assignment in (args.candidate_set if overrides else [])]
         subprocess.run([*command, "--results", str(path)], check=True, cwd=common.REPO_ROOT)
 
 
@@ -171,17 +196,36 @@ def mean_std(values: Sequence[float], scale: float = 1.0, digits: int = 2) -> st
     return f"{statistics.mean(values):.{digits}f} ± {spread:.{digits}f}"
 
 
-def sitting_table(records: list[dict[str, Any]], seeds: Sequence[int]) -> str:
-    """Per pair: one row per run, then mean ± std per recipe and the training-time ratio new / old."""
+def describe_overrides(overrides: dict[str, Any]) -> str:
+    """`{"train": {"epochs": 12}}` -> `train.epochs=12`."""
+    return ", ".join(
+        f"{section}.{key}={json.dumps(value)}" if key else f"{section}={json.dumps(value)}"
+        for section, fields in overrides.items()
+        for key, value in (fields.items() if isinstance(fields, dict) else [("", fields)])
+    )
+
+
+def sitting_table(records: list[dict[str, Any]], seeds: Sequence[int], candidate: dict[str, Any] | None = None) -> str:
+    """Per pair: one row per run, then mean ± std per recipe and the training-time ratio new / old.
+
+    The new recipe's rows are the runs with the `candidate` overrides, the old recipe's those without any.
+    """
     lines = [
-        "| recipe | seed | epochs | training | the epochs' own | images/s | test | flip TTA | flip+translate TTA |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| recipe | optimizer | seed | epochs | training | the epochs' own | images/s | test | flip TTA "
+        "| flip+translate TTA |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     summary = []
     for old, new in PAIRS:
         by_preset = {
             preset: sorted(
-                (record for record in records if record["preset"] == preset and record["seed"] in seeds),
+                (
+                    record
+                    for record in records
+                    if record["preset"] == preset
+                    and record["seed"] in seeds
+                    and record["overrides"] == sitting_overrides(preset, candidate or {})
+                ),
                 key=lambda record: record["seed"],
             )
             for preset in (old, new)
@@ -189,18 +233,21 @@ def sitting_table(records: list[dict[str, Any]], seeds: Sequence[int]) -> str:
         if not all(by_preset.values()):
             continue
         for preset, rows in by_preset.items():
+            overrides = sitting_overrides(preset, candidate or {})
+            recipe = f"`{preset}`" + (" + candidate" if overrides else "")
             for row in rows:
                 accuracies = " | ".join(f"{100 * row[name]:.2f} %" for name, _ in ACCURACIES)
                 lines.append(
-                    f"| `{preset}` | {row['seed']} | {row['epochs']} | {row['training_seconds'] / 60:.1f} min | "
-                    f"{row['epoch_seconds'] / 60:.1f} min | {row['images_per_second']:,.0f} | {accuracies} |"
+                    f"| {recipe} | {row['optimizer']} | {row['seed']} | {row['epochs']} | "
+                    f"{row['training_seconds'] / 60:.1f} min | {row['epoch_seconds'] / 60:.1f} min | "
+                    f"{row['images_per_second']:,.0f} | {accuracies} |"
                 )
             accuracies = " | ".join(f"**{mean_std([r[name] for r in rows], 100)} %**" for name, _ in ACCURACIES)
             minutes = mean_std([r["training_seconds"] / 60 for r in rows], digits=1)
             epochs_own = mean_std([r["epoch_seconds"] / 60 for r in rows], digits=1)
             lines.append(
-                f"| **`{preset}`, mean ± std** | | {rows[0]['epochs']} | **{minutes} min** | {epochs_own} min | | "
-                f"{accuracies} |"
+                f"| **{recipe}, mean ± std** | {rows[0]['optimizer']} | | {rows[0]['epochs']} | **{minutes} min** | "
+                f"{epochs_own} min | | {accuracies} |"
             )
         old_rows, new_rows = by_preset[old], by_preset[new]
 
@@ -212,13 +259,15 @@ def sitting_table(records: list[dict[str, Any]], seeds: Sequence[int]) -> str:
         gain = mean_of(new_rows, "tta_accuracy") - mean_of(old_rows, "tta_accuracy")
         # Issue 27's acceptance: at least the old mean accuracy, in at most 0.8x the old training time.
         verdict = "met" if gain >= 0 and ratio <= ACCEPTED_TIME_RATIO else "not met"
+        name = f"`{new}`" + (" + candidate" if candidate else "")
         summary.append(
-            f"- `{new}` against `{old}`: **{ratio:.2f}×** the training time ({epochs_ratio:.2f}× the epochs' own "
+            f"- {name} against `{old}`: **{ratio:.2f}×** the training time ({epochs_ratio:.2f}× the epochs' own "
             f"time), flip+translate TTA "
             f"{100 * gain:+.2f} points (means over {len(new_rows)} and {len(old_rows)} seeds): "
             f"accuracy at least the old and time at most {ACCEPTED_TIME_RATIO}×: **{verdict}**."
         )
-    return "\n".join(lines) + "\n\n" + "\n".join(summary)
+    preamble = f"Candidate: the new recipe with `{describe_overrides(candidate)}`.\n\n" if candidate else ""
+    return preamble + "\n".join(lines) + "\n\n" + "\n".join(summary)
 
 
 def ablation_table(records: list[dict[str, Any]]) -> str:
@@ -229,11 +278,7 @@ def ablation_table(records: list[dict[str, Any]]) -> str:
         "|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for record in records:
-        overrides = ", ".join(
-            f"{section}.{key}={json.dumps(value)}"
-            for section, fields in record["overrides"].items()
-            for key, value in (fields.items() if isinstance(fields, dict) else [("", fields)])
-        )
+        overrides = describe_overrides(record["overrides"])
         accuracies = " | ".join(f"{100 * record[name]:.2f} %" for name, _ in ACCURACIES)
         lines.append(
             f"| {record['label']} | `{record['preset']}` | {record['seed']} | {overrides or '—'} | "
@@ -252,7 +297,7 @@ def docs_body(records: list[dict[str, Any]], args: argparse.Namespace, command: 
         f"Command: `{command}`\n\n"
         f"Machine: {common.machine_description(load_at_start)}; load average at the end: {common.load_average()}."
         f"{' Note: ' + args.note if args.note else ''}\n\n"
-        f"{sitting_table(records, args.seeds)}\n"
+        f"{sitting_table(records, args.seeds, candidate_overrides(args))}\n"
     )
 
 
@@ -267,10 +312,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     load_at_start = common.load_average()
     run_sitting(args)
     records = read_records(results_path(args))
-    print(sitting_table(records, args.seeds))
+    print(sitting_table(records, args.seeds, candidate_overrides(args)))
     if args.write_docs:
         command = common.command_line("time_to_accuracy.py", argv)
-        common.write_section(HEADING, docs_body(records, args, command, load_at_start))
+        heading = f"{HEADING} ({', '.join(f'`{preset}`' for preset in args.presets)})"
+        common.write_section(heading, docs_body(records, args, command, load_at_start))
         print(f"wrote {common.DOCS_PATH}")
 
 
