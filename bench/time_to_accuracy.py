@@ -44,7 +44,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import common  # noqa: E402
 
-HEADING = "## Time to accuracy: Muon against SGD, side by side"  # + the pairs' new presets: one section per sitting.
+HEADING = "## Time to accuracy: Muon against SGD, side by side"  # + presets and candidate: a section per sitting.
 PAIRS = (("fast-sgd", "fast"), ("sprint-sgd", "sprint"))  # (old recipe, new recipe), in sitting order.
 DEFAULT_SEEDS = (0, 1, 2)
 ACCEPTED_TIME_RATIO = 0.8  # Issue 27: the new recipe trains in at most 0.8x the old one's time (aim: 0.7x).
@@ -315,7 +315,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(sitting_table(records, args.seeds, candidate_overrides(args)))
     if args.write_docs:
         command = common.command_line("time_to_accuracy.py", argv)
-        heading = f"{HEADING} ({', '.join(f'`{preset}`' for preset in args.presets)})"
+        candidate = describe_overrides(candidate_overrides(args))
+        heading = (
+            f"{HEADING} ({', '.join(f'`{preset}`' for preset in args.presets)}{'; ' + candidate if candidate else ''})"
+        )
         common.write_section(heading, docs_body(records, args, command, load_at_start))
         print(f"wrote {common.DOCS_PATH}")
 
