@@ -168,10 +168,9 @@ def sitting_overrides(preset: str, candidate: dict[str, Any]) -> dict[str, Any]:
     return candidate if preset in {new for _, new in PAIRS} else {}
 
 
-def run_sitting(args: argparse.Namespace) -> None:
+def run_sitting(args: argparse.Namespace, candidate: dict[str, Any]) -> None:
     """Every run of the sitting not yet recorded, one fresh process each, in `sitting_order`."""
     path = results_path(args)
-    candidate = candidate_overrides(args)
     done = {(record["preset"], record["seed"], json.dumps(record["overrides"], sort_keys=True))
             for record in read_records(path)}  # fmt: skip
     common_arguments = ["--archive", args.archive, "--workdir", args.workdir]
@@ -287,7 +286,9 @@ def ablation_table(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def docs_body(records: list[dict[str, Any]], args: argparse.Namespace, command: str, load_at_start: str) -> str:
+def docs_body(
+    records: list[dict[str, Any]], args: argparse.Namespace, candidate: dict[str, Any], command: str, load_at_start: str
+) -> str:
     return (
         "Both recipes of each pair trained and evaluated in one sitting on one host, interleaved run by run "
         "(old and new alternate which goes first), 3 seeds each, nothing else running; every run a fresh process. "
@@ -297,7 +298,7 @@ def docs_body(records: list[dict[str, Any]], args: argparse.Namespace, command: 
         f"Command: `{command}`\n\n"
         f"Machine: {common.machine_description(load_at_start)}; load average at the end: {common.load_average()}."
         f"{' Note: ' + args.note if args.note else ''}\n\n"
-        f"{sitting_table(records, args.seeds, candidate_overrides(args))}\n"
+        f"{sitting_table(records, args.seeds, candidate)}\n"
     )
 
 
@@ -310,16 +311,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(ablation_table(read_records(Path(args.results))))
         return
     load_at_start = common.load_average()
-    run_sitting(args)
+    candidate = candidate_overrides(args)
+    run_sitting(args, candidate)
     records = read_records(results_path(args))
-    print(sitting_table(records, args.seeds, candidate_overrides(args)))
+    print(sitting_table(records, args.seeds, candidate))
     if args.write_docs:
         command = common.command_line("time_to_accuracy.py", argv)
-        candidate = describe_overrides(candidate_overrides(args))
+        described = describe_overrides(candidate)
         heading = (
-            f"{HEADING} ({', '.join(f'`{preset}`' for preset in args.presets)}{'; ' + candidate if candidate else ''})"
+            f"{HEADING} ({', '.join(f'`{preset}`' for preset in args.presets)}{'; ' + described if described else ''})"
         )
-        common.write_section(heading, docs_body(records, args, command, load_at_start))
+        common.write_section(heading, docs_body(records, args, candidate, command, load_at_start))
         print(f"wrote {common.DOCS_PATH}")
 
 
