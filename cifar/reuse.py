@@ -134,6 +134,17 @@ def training_key(config: PipelineConfig, data_key: str) -> str:
     return stage_key("train", data=data_key, train=train_fields, seed=config.seed)
 
 
+def finished_training_key(config: PipelineConfig, data_key: str) -> str:
+    """Where a finished training is looked up: its key, plus the folder's name when the run is named.
+
+    An unnamed run's folder is derived from its key; a named one (`train.run_name`) is that folder,
+    and `cifar.train` reuses only a run finished there. A cache keyed on the training key alone would
+    hand a named run another folder's training and leave its own folder empty.
+    """
+    key = training_key(config, data_key)
+    return f"{key}-{config.train.run_name}" if config.train.run_name else key
+
+
 def evaluation_key(config: PipelineConfig, data_key: str, checkpoints_sha256: str) -> str:
     """The evaluate stage: the test data, the checkpoints it scores (their index's digest), its settings."""
     return stage_key(

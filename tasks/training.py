@@ -6,7 +6,7 @@ from cifar.checkpoints import RunDirectory
 from cifar.config import PipelineConfig
 from cifar.quiet import import_tensorflow
 from cifar.results import DataResult, TrainResult
-from cifar.reuse import training_key
+from cifar.reuse import finished_training_key
 from tasks import faults
 from tasks.artifacts import ProgressReporter
 from tasks.caching import stage_task
@@ -14,7 +14,7 @@ from tasks.caching import stage_task
 
 @stage_task(
     "train",
-    key_fn=lambda config, dataset, **_: training_key(config, dataset.key),
+    key_fn=lambda config, dataset, **_: finished_training_key(config, dataset.key),
     is_valid=lambda result: RunDirectory(result.run_dir).completed(result.key) is not None,
     tags=["training"],  # A tag concurrency limit of 1 keeps two trainings off one device.
 )

@@ -13,7 +13,15 @@ from prefect.serializers import JSONSerializer
 from cifar import reuse
 from cifar.config import make_config
 from cifar.data.prepare import prepare_data, reusable_manifest
-from cifar.reuse import code_version, data_key, evaluation_key, export_key, registration_key, training_key
+from cifar.reuse import (
+    code_version,
+    data_key,
+    evaluation_key,
+    export_key,
+    finished_training_key,
+    registration_key,
+    training_key,
+)
 from tasks.caching import expire_if_invalid
 
 SHA_A, SHA_B = "a" * 64, "b" * 64
@@ -63,6 +71,17 @@ def test_training_key_ignores_resume_the_folder_name_and_later_stages():
     assert training_key(config(train={"resume": False, "run_name": "nightly-1"}), "data-a") == base
     assert training_key(config(evaluate={"flip_tta": True}, export={"min_improvement": 0.1}), "data-a") == base
     assert training_key(config(tracking={"tracking_uri": "http://127.0.0.1:5000"}), "data-a") == base
+
+
+def test_a_named_run_is_looked_up_in_its_own_folder_only():
+    # Same training, so the same training key; but a named run is its folder, and the cache must not
+    # hand it the unnamed run's folder (the library would train into the named folder).
+    unnamed = finished_training_key(config(), "data-a")
+    named = finished_training_key(config(train={"run_name": "b"}), "data-a")
+    assert unnamed == training_key(config(), "data-a")
+    assert named != unnamed and named.startswith(unnamed)
+    assert finished_training_key(config(train={"run_name": "b", "resume": False}), "data-a") == named
+    assert finished_training_key(config(train={"run_name": "c"}), "data-a") != named
 
 
 def test_later_keys_follow_what_they_read():
