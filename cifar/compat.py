@@ -1,7 +1,8 @@
-"""Every private Keras, MLflow and Optuna API the project touches, in one place, each tied to its pinned version.
+"""Every private TensorFlow, Keras, MLflow and Optuna API the project touches, in one place, each tied to its
+pinned version.
 
 Public APIs cover everything else. Each function below names the version it was written against
-(constraints.txt pins keras 3.15.1 and mlflow 3.17.2) and why no public API does the job; when a
+(constraints.txt pins tensorflow 2.21.0, keras 3.15.1 and mlflow 3.17.2) and why no public API does the job; when a
 pin moves, this file is the one to re-check (tests/test_train.py, test_distribute.py and
 test_fast_recipe.py exercise every function here).
 """
@@ -81,6 +82,35 @@ def patch_multi_worker_reduce() -> None:
 
     reduce_per_replica._cifar_patched = True
     tensorflow_trainer.reduce_per_replica = reduce_per_replica
+
+
+def patch_device_prefetch_autotune() -> None:
+    """Turns tf.data's autotuner off in the per-device prefetch of distributed input (TF 2.21).
+
+    `tf.distribute` feeds a strategy's devices through a MultiDeviceIterator: the pipeline's batches
+    go into a new dataset per device (a generator plus a prefetch), made by the private
+    `multi_device_iterator_ops._create_device_dataset` with default options, so the autotuner runs
+    there even when the pipeline turned it off (`cifar.input_pipeline._options`). Its optimization
+    thread sleeps between rounds that grow to 60 s apart, and destroying the iterator at the end of
+    `model.fit` waits for it: a run sat idle for up to a minute after its last epoch (a gdb dump of
+    the wait: `RootDataset::Iterator::~Iterator` joining the thread in `Model::OptimizeLoop`). The
+    wrapper gives each device dataset the options the pipeline has. No public API reaches those
+    datasets; `tf.distribute.InputOptions` avoids the iterator only in per-replica mode. Idempotent.
+    """
+    import tensorflow as tf
+    from tensorflow.python.data.ops import multi_device_iterator_ops
+
+    original = multi_device_iterator_ops._create_device_dataset
+    if getattr(original, "_cifar_patched", False):
+        return
+
+    def create_device_dataset(*args, **kwargs):
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        return original(*args, **kwargs).with_options(options)
+
+    create_device_dataset._cifar_patched = True
+    multi_device_iterator_ops._create_device_dataset = create_device_dataset
 
 
 @contextlib.contextmanager

@@ -124,6 +124,7 @@ def plan_devices(train: TrainConfig, *, tf_config: str | None = None) -> DeviceP
 
 def create_strategy(plan: DevicePlan) -> tf.distribute.Strategy:
     """The strategy for a plan: one device, Mirrored over local devices, or MultiWorkerMirrored."""
+    compat.patch_device_prefetch_autotune()  # No idle minute after the last epoch (see there).
     if plan.cluster is not None:
         # Hide unselected GPUs: the multi-worker strategy uses every visible device.
         physical = tf.config.list_physical_devices("GPU")

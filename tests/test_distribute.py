@@ -101,6 +101,20 @@ def test_bad_device_request_fails_before_any_work(data_dir, tmp_path):
     assert not (tmp_path / "work").exists()
 
 
+def test_the_strategys_device_prefetch_runs_without_the_tf_data_autotuner():
+    # The autotuner's thread made `model.fit` sit idle up to a minute after the last epoch (compat).
+    import tensorflow as tf
+
+    strategy = distribute.create_strategy(distribute.plan_devices(TrainConfig(model="tiny")))
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    batches = iter(strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(2).with_options(options)))
+    assert next(batches).numpy().tolist() == [0, 1]
+    # OneDeviceStrategy feeds its device through a MultiDeviceIterator: one dataset per device.
+    device_iterator = batches._iterators[0]._iterator._device_iterators[0]
+    assert device_iterator._dataset.options().autotune.enabled is False
+
+
 def test_mirrored_strategy_over_two_cpu_devices_keeps_global_batch_semantics(data_dir, tmp_path):
     # Logical devices must be configured before TensorFlow starts: fresh processes, run side by side.
     processes = {
