@@ -1,8 +1,8 @@
 """Time to accuracy, side by side: the SGD recipes against the Muon recipes that replaced them (issue 27).
 
     .venv/bin/python bench/time_to_accuracy.py --write-docs        # the sitting: fast-sgd vs fast, then sprint
-    .venv/bin/python bench/time_to_accuracy.py --presets fast --candidate-set train.optimizer=muon \
-        --candidate-set train.epochs=12                            # a candidate against fast-sgd, no config edit
+    .venv/bin/python bench/time_to_accuracy.py --presets fast --candidate-set train.epochs=11 \
+        --candidate-set train.warmup_epochs=2.53                   # a candidate against fast-sgd, no config edit
     .venv/bin/python bench/time_to_accuracy.py run --preset fast --seed 0 --set train.epochs=10 --results FILE
     .venv/bin/python bench/time_to_accuracy.py table FILE          # one row per recorded run (ablations)
 

@@ -101,9 +101,10 @@ def test_a_hostile_or_impossible_request_fails_before_any_work(python_archive, t
 
 
 def test_the_memory_estimate_refuses_what_cannot_fit_and_says_how_much():
-    check_request(make_config("fast"), available=16 * GIB)  # The presets fit a 16 GiB machine.
+    for preset in ("fast", "fast-sgd", "sprint"):
+        check_request(make_config(preset), available=16 * GIB)  # The presets fit a 16 GiB machine.
     with pytest.raises(ImpossibleRequestError, match=r"train.batch_size 1024 with fast needs about \d+\.\d GiB"):
-        check_request(make_config("fast"), available=2 * GIB)
+        check_request(make_config("fast-sgd"), available=2 * GIB)
     with pytest.raises(ImpossibleRequestError, match="larger than the 45,000 training examples"):
         check_request(make_config("default", {"train": {"batch_size": 45_001}}), available=1 << 50)
 
