@@ -193,7 +193,9 @@ class TrainConfig(Section):
     )
     epochs: int = Field(30, ge=1, le=10_000)
     batch_size: int = Field(128, ge=1, le=65_536, description="Global batch size (all replicas).")
-    steps_per_epoch: int | None = Field(None, ge=1, description="Cap on steps per epoch (smoke runs; the sprint preset's shorter epochs).")
+    steps_per_epoch: int | None = Field(
+        None, ge=1, description="Cap on steps per epoch (smoke runs; the sprint preset's shorter epochs)."
+    )
     learning_rate: float = Field(0.1, gt=0, le=100, description="Peak learning rate at batch_size 128.")
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
@@ -466,12 +468,18 @@ PRESETS["sprint-sgd"] = _deep_merge(
 # cuts each of its 3 epochs to 73 of 97 updates (about 2.25 epochs of images) at 0.16.
 PRESETS["fast"] = _deep_merge(
     PRESETS["fast-sgd"],
-    {"train": {"optimizer": "muon", "muon_learning_rate": 0.08, "epochs": 12, "batch_size": 512,
-               "warmup_epochs": 2.76}},
+    {
+        "train": {
+            "optimizer": "muon",
+            "muon_learning_rate": 0.08,
+            "epochs": 12,
+            "batch_size": 512,
+            "warmup_epochs": 2.76,
+        }
+    },
 )
 PRESETS["sprint"] = _deep_merge(
-    PRESETS["sprint-sgd"],
-    {"train": {"optimizer": "muon", "muon_learning_rate": 0.16, "steps_per_epoch": 73}},
+    PRESETS["sprint-sgd"], {"train": {"optimizer": "muon", "muon_learning_rate": 0.16, "steps_per_epoch": 73}}
 )
 
 
