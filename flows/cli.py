@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
 import traceback
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -199,12 +200,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def prepare_ephemeral_database() -> None:
-    """Creates Prefect's own SQLite database once, under a lock, when no server is configured.
+    """Creates Prefect's own SQLite database and its block types once, under a lock, when no server is configured.
 
-    Without a server every run starts a temporary one, which creates and migrates the database under
-    PREFECT_HOME on first use; runs started at once on a fresh machine would migrate it together.
+    Without a server every run starts a temporary one, which migrates the database under PREFECT_HOME
+    and registers Prefect's block types on first use; runs started at once on a fresh machine would do
+    it together and collide (flows/prefect_database.py).
     """
-    from prefect.settings import get_current_settings
+    from prefect.settings import PREFECT_MEMO_STORE_PATH, get_current_settings
 
     if get_current_settings().api.url:
         return
@@ -212,10 +214,21 @@ def prepare_ephemeral_database() -> None:
     if not url.startswith("sqlite+aiosqlite:///"):
         return
     database = Path(url.removeprefix("sqlite+aiosqlite:///"))
+    memo = PREFECT_MEMO_STORE_PATH.value()
     with locks.exclusive(database.with_name(f".{database.name}.lock"), f"Prefect's database {database}"):
-        if not database.exists():
-            command = [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"]
-            subprocess.run(command, check=True, capture_output=True, timeout=300)
+        if not database.exists() or not block_types_registered(memo):
+            command = [sys.executable, str(REPO_ROOT / "flows" / "prefect_database.py")]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if result.returncode != 0:
+                raise RuntimeError(f"could not prepare Prefect's database {database}:\n{result.stderr[-3000:]}")
+
+
+def block_types_registered(memo: Path) -> bool:
+    """Whether a Prefect server's start-up (or flows/prefect_database.py) has recorded its block registration."""
+    try:
+        return "block_auto_registration" in tomllib.loads(memo.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
 
 
 def supervise(argv: list[str], script: str = "pipeline.py") -> int:

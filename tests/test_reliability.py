@@ -146,6 +146,25 @@ def test_three_pipelines_started_at_once_on_a_new_workdir_all_finish(three_at_on
 # Kills: SIGKILL of the whole process group inside each stage, then a re-run.
 
 
+def test_temporary_prefect_servers_started_at_once_on_a_new_prefect_home_do_not_collide(tmp_path):
+    # Each run without a server starts a temporary one, and a server's start-up registers Prefect's block
+    # types unless the memo store says it was done: started together on a new PREFECT_HOME, they inserted
+    # the same rows and one exited (`UNIQUE constraint failed: block_type.slug`). The CLI does it first.
+    env = prefect_env(tmp_path / "prefect-home")
+    prepare = [sys.executable, "-c", "from flows.cli import prepare_ephemeral_database as p; p()"]
+    preparing = [subprocess.Popen(prepare, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    assert all(process.wait(timeout=300) == 0 for process in preparing), [p.stderr.read() for p in preparing]
+    memo = tmp_path / "prefect-home" / "memo_store.toml"
+    recorded = memo.stat().st_mtime_ns
+    assert "block_auto_registration" in memo.read_text()
+
+    script = tmp_path / "trivial.py"  # A server's start-up after it reads the memo and skips the registration.
+    script.write_text("from prefect import flow\n\n@flow\ndef trivial():\n    return 1\n\ntrivial()\n")
+    flow_run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert flow_run.returncode == 0, flow_run.stderr[-3000:]
+    assert memo.stat().st_mtime_ns == recorded  # No server registered the block types again.
+
+
 def test_a_run_killed_inside_each_stage_in_turn_ends_as_a_clean_run_does(python_archive, tmp_path, three_at_once):
     clean_workdir, finished = three_at_once  # Clean runs of the same command (the first two).
     assert all(process.returncode == 0 for process, _ in finished)
