@@ -9,6 +9,7 @@ isolated PREFECT_HOME, and logs to a file you can read back (`handle.logs()`) wh
     run_cli(["prefect", "work-pool", "create", "pool", "--type", "process"], env=env)
     worker = start_worker(server, pool="pool", cwd=repo_root)
     mlflow = start_mlflow_server(tmp_path / "mlflow")             # mlflow.tracking_uri
+    prefect_api.post(f"{server.api_url}/flow_runs/filter", json={})   # REST calls, a busy 503 retried
     ...
     worker.stop(); server.stop(); mlflow.stop()
 """
@@ -27,9 +28,33 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent  # The venv's bin: prefect, mlflow.
 HOST = "127.0.0.1"
+
+
+class BusyRetryingTransport(httpx.HTTPTransport):
+    """Retries a 503 as Prefect's own client does: a server answers it when its SQLite database is busy
+    (a scheduler or a flow run writing at that moment), which is no failure of what a test checks."""
+
+    def __init__(self, attempts: int = 6, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.attempts = attempts
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        for attempt in range(1, self.attempts):
+            if response.status_code != 503:
+                break
+            response.close()
+            time.sleep(2 * attempt)  # Seconds: 30 in all over 6 attempts, like the client's own backoff.
+            response = super().handle_request(request)
+        return response
+
+
+prefect_api = httpx.Client(transport=BusyRetryingTransport(), timeout=30)  # For the tests' Prefect REST calls.
 
 
 def free_port() -> int:

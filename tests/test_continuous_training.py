@@ -16,10 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import mlflow
 import pytest
-from servers import REPO_ROOT, run_cli, start_prefect_server, start_worker
+from servers import REPO_ROOT, prefect_api, run_cli, start_prefect_server, start_worker
 from test_prefect_server import POOL, Stack, artifacts, flow_run_logs, wait_for
 
 from cifar.data.manifest import load_manifest
@@ -55,11 +54,10 @@ def loop(tmp_path_factory) -> tuple[Stack, dict]:
         run_cli(["prefect", "work-pool", "create", POOL, "--type", "process"], env=env)
         run_cli(["prefect", "concurrency-limit", "create", "training", "1"], env=env)
         run_cli(["prefect", "--no-prompt", "deploy", "--all"], env=env, cwd=REPO_ROOT)
-        nightly = httpx.get(f"{server.api_url}/deployments/name/cifar-retrain/nightly", timeout=30).json()
-        response = httpx.patch(
+        nightly = prefect_api.get(f"{server.api_url}/deployments/name/cifar-retrain/nightly").json()
+        response = prefect_api.patch(
             f"{server.api_url}/deployments/{nightly['id']}",
             json={"parameters": {**nightly["parameters"], "config": smoke_config()}},
-            timeout=30,
         )
         assert response.status_code == 204, response.text
         worker = start_worker(
@@ -74,7 +72,7 @@ def loop(tmp_path_factory) -> tuple[Stack, dict]:
 
 def shorten_debounce(api_url: str) -> None:
     """The retrain trigger prefect.yaml made, checked as written, then with a shorter window for speed."""
-    automations = httpx.post(f"{api_url}/automations/filter", json={}, timeout=30).json()
+    automations = prefect_api.post(f"{api_url}/automations/filter", json={}).json()
     (automation,) = [item for item in automations if item["name"] == "cifar-retrain-on-new-data"]
     trigger, (action,) = automation["trigger"], automation["actions"]
     assert (trigger["expect"], trigger["posture"], trigger["within"]) == (["cifar.data.added"], "Reactive", 60.0)
@@ -84,16 +82,14 @@ def shorten_debounce(api_url: str) -> None:
     fields = ("name", "description", "enabled", "tags", "trigger", "actions", "actions_on_trigger",
               "actions_on_resolve", "owner_resource")  # fmt: skip
     body = {key: automation[key] for key in fields if key in automation}
-    response = httpx.put(f"{api_url}/automations/{automation['id']}", json=body, timeout=30)
+    response = prefect_api.put(f"{api_url}/automations/{automation['id']}", json=body)
     assert response.status_code == 204, response.text
 
 
 def run_nightly(stack: Stack, nightly: dict, workdir: Path, config: dict | None = None) -> dict:
     parameters = {"workdir": str(workdir)} | ({"config": config} if config else {})
-    response = httpx.post(
-        f"{stack.server.api_url}/deployments/{nightly['id']}/create_flow_run",
-        json={"parameters": parameters},
-        timeout=30,
+    response = prefect_api.post(
+        f"{stack.server.api_url}/deployments/{nightly['id']}/create_flow_run", json={"parameters": parameters}
     )
     assert response.status_code == 201, response.text
     return wait_for(stack, response.json()["id"])
@@ -101,19 +97,16 @@ def run_nightly(stack: Stack, nightly: dict, workdir: Path, config: dict | None 
 
 def triggered_runs(stack: Stack, nightly: dict) -> list[dict]:
     """Runs of the nightly deployment the automation created (not the 02:00 schedule's, not ours)."""
-    response = httpx.post(
-        f"{stack.server.api_url}/flow_runs/filter",
-        json={"flow_runs": {"deployment_id": {"any_": [nightly["id"]]}}},
-        timeout=30,
+    response = prefect_api.post(
+        f"{stack.server.api_url}/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [nightly["id"]]}}}
     )
     return [run for run in response.json() if run.get("created_by") and run["created_by"].get("type") == "AUTOMATION"]
 
 
 def latest_artifact(stack: Stack, key: str) -> dict:
-    response = httpx.post(
+    response = prefect_api.post(
         f"{stack.server.api_url}/artifacts/filter",
         json={"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC", "limit": 1},
-        timeout=30,
     )
     (artifact,) = response.json()
     return artifact

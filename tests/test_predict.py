@@ -10,13 +10,12 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import mlflow
 import numpy as np
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from servers import start_prefect_server
+from servers import prefect_api, start_prefect_server
 from test_evaluate import prepare_fixture_data, write_checkpoints
 
 from cifar.config import MonitorConfig, make_config
@@ -270,12 +269,11 @@ def drift_events(server, digest: str, timeout: float = 30.0) -> list[dict]:
     """The `cifar.drift.detected` events for input `digest` once the server has stored them (empty if none)."""
     deadline = time.monotonic() + timeout
     while True:
-        response = httpx.post(
+        response = prefect_api.post(
             f"{server.api_url}/events/filter",
             json={
                 "filter": {"event": {"name": ["cifar.drift.detected"]}, "occurred": {"since": "2000-01-01T00:00:00Z"}}
             },
-            timeout=30,
         )
         events = [event for event in response.json()["events"] if event["payload"]["input_digest"] == digest]
         if events or time.monotonic() > deadline:
@@ -302,8 +300,8 @@ def test_brightened_images_raise_the_drift_flag_and_its_event_the_originals_do_n
     assert drifted.is_completed() and drifted.name == DRIFT_DETECTED
     summary = drifted.result()
     assert summary["drift"] and "image drift: Jensen-Shannon divergence" in drifted.message
-    artifacts = httpx.post(
-        f"{prefect_server.api_url}/artifacts/filter", json={"artifacts": {"key": {"any_": ["cifar-drift"]}}}, timeout=30
+    artifacts = prefect_api.post(
+        f"{prefect_server.api_url}/artifacts/filter", json={"artifacts": {"key": {"any_": ["cifar-drift"]}}}
     ).json()
     assert [artifact["flow_run_id"] for artifact in artifacts] == [str(drifted.state_details.flow_run_id)]
 

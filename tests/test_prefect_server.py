@@ -13,9 +13,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
-from servers import REPO_ROOT, ProcessHandle, ServerHandle, free_port, run_cli, start_prefect_server, start_worker
+from servers import (
+    REPO_ROOT,
+    ProcessHandle,
+    ServerHandle,
+    free_port,
+    prefect_api,
+    run_cli,
+    start_prefect_server,
+    start_worker,
+)
 
 from cifar.io import file_digest
 from cifar.reuse import STAGE_MODULES, code_version
@@ -100,7 +108,7 @@ def wait_for(stack: Stack, flow_run_id: str) -> dict:
     """Polls the flow run until it reaches a terminal state; returns it."""
     deadline = time.monotonic() + RUN_TIMEOUT_SECONDS
     while time.monotonic() < deadline:
-        flow_run = httpx.get(f"{stack.server.api_url}/flow_runs/{flow_run_id}", timeout=30).json()
+        flow_run = prefect_api.get(f"{stack.server.api_url}/flow_runs/{flow_run_id}").json()
         if flow_run["state"]["type"] in TERMINAL:
             return flow_run
         assert stack.worker.alive(), stack.diagnostics()
@@ -110,8 +118,8 @@ def wait_for(stack: Stack, flow_run_id: str) -> dict:
 
 def task_states(stack: Stack, flow_run_id: str) -> dict[str, str]:
     """Task name (without the run suffix) -> state name, for the tasks of the flow run."""
-    response = httpx.post(
-        f"{stack.server.api_url}/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}}, timeout=30
+    response = prefect_api.post(
+        f"{stack.server.api_url}/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}}
     )
     return {run["name"].rsplit("-", 1)[0]: run["state"]["name"] for run in response.json()}
 
@@ -126,10 +134,9 @@ def flow_run_logs(stack: Stack, flow_run_id: str, expect: str | None = None, tim
     while True:
         messages, offset = [], 0
         while True:
-            page = httpx.post(
+            page = prefect_api.post(
                 f"{stack.server.api_url}/logs/filter",
                 json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200, "offset": offset},
-                timeout=30,
             ).json()
             messages += [entry["message"] for entry in page]
             offset += len(page)
@@ -143,10 +150,8 @@ def flow_run_logs(stack: Stack, flow_run_id: str, expect: str | None = None, tim
 
 def artifacts(stack: Stack, flow_run_id: str) -> dict[str, dict]:
     """Artifact key -> artifact, for the artifacts of the flow run (its tasks' included)."""
-    response = httpx.post(
-        f"{stack.server.api_url}/artifacts/filter",
-        json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}},
-        timeout=30,
+    response = prefect_api.post(
+        f"{stack.server.api_url}/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
     )
     return {artifact["key"]: artifact for artifact in response.json() if artifact["key"]}
 
@@ -239,10 +244,8 @@ def test_sweep_groups_its_child_runs_under_one_mlflow_parent(stack, python_archi
 
     swept = wait_for(stack, run_deployment(stack, "cifar-sweep/sweep", parameters))
     assert swept["state"]["type"] == "COMPLETED", f"{swept['state']}\n{stack.diagnostics()}"
-    children = httpx.post(
-        f"{stack.server.api_url}/flow_runs/filter",
-        timeout=30,
-        json={"flow_runs": {"parent_flow_run_id": {"any_": [swept["id"]]}}},
+    children = prefect_api.post(
+        f"{stack.server.api_url}/flow_runs/filter", json={"flow_runs": {"parent_flow_run_id": {"any_": [swept["id"]]}}}
     ).json()
     assert sorted(child["name"] for child in children) == names
     import mlflow
@@ -285,16 +288,6 @@ def test_sweep_groups_its_child_runs_under_one_mlflow_parent(stack, python_archi
     assert "%" in table["data"] and "Best by val_accuracy" in table["description"]
 
 
-def post_retrying(url: str, body: dict, attempts: int = 6) -> httpx.Response:
-    """POSTs like Prefect's own client: a busy server's 503 (its SQLite database locked) is retried."""
-    for attempt in range(attempts):
-        response = httpx.post(url, json=body, timeout=30)
-        if response.status_code != 503:
-            break
-        time.sleep(2 * (attempt + 1))
-    return response
-
-
 def form_parameters(schema: dict, deployment_parameters: dict) -> dict:
     """What "Custom run" submits untouched: the deployment's values over the parameter schema's defaults."""
 
@@ -315,7 +308,7 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
     from cifar.config import make_config
 
     declared = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]
-    deployments = httpx.post(f"{stack.server.api_url}/deployments/filter", json={}, timeout=30).json()
+    deployments = prefect_api.post(f"{stack.server.api_url}/deployments/filter", json={}).json()
     by_name = {deployment["name"]: deployment for deployment in deployments}
     assert {entry["name"] for entry in declared} <= set(by_name)
     plans_dir = tmp_path / "plans"
@@ -332,9 +325,9 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
         deployment = by_name[entry["name"]]
         parameters = form_parameters(deployment["parameter_openapi_schema"], deployment["parameters"])
         parameters |= required.get(entry["name"], {})
-        response = post_retrying(
+        response = prefect_api.post(
             f"{stack.server.api_url}/deployments/{deployment['id']}/create_flow_run",
-            {"parameters": parameters, "job_variables": {"env": env}},
+            json={"parameters": parameters, "job_variables": {"env": env}},
         )
         assert response.status_code == 201, response.text
         preset = entry["parameters"].get("config", {}).get("preset")  # cifar-promote has no config.
@@ -356,9 +349,9 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
 
     # A value outside a closed set never becomes a run: the server validates the form.
     smoke = by_name["smoke"]
-    rejected = post_retrying(
+    rejected = prefect_api.post(
         f"{stack.server.api_url}/deployments/{smoke['id']}/create_flow_run",
-        {"parameters": {"config": {"preset": "smok"}}},
+        json={"parameters": {"config": {"preset": "smok"}}},
     )
     assert rejected.status_code in (409, 422) and "preset" in rejected.text, rejected.text
 
@@ -397,9 +390,8 @@ def test_an_event_redelivered_after_a_server_restart(tmp_path, launcher):
         try:
             asyncio.run(deliver(server.api_url))
             time.sleep(4)  # Flushes (and, for the duplicate, the failed flush and its retry).
-            stored = httpx.post(
+            stored = prefect_api.post(
                 f"{server.api_url}/events/filter",
-                timeout=30,
                 json={
                     "filter": {
                         "event": {"name": ["cifar.test.redelivered"]},

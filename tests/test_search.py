@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import httpx
 import pytest
-from servers import REPO_ROOT, prefect_env, run_cli, start_prefect_server, start_worker
+from servers import REPO_ROOT, prefect_api, prefect_env, run_cli, start_prefect_server, start_worker
 
 from cifar.config import TrialLink, make_config
 from cifar.io import file_digest
@@ -262,10 +261,8 @@ def search(python_archive, tmp_path_factory) -> Search:
 
 def trial_flow_runs(api_url: str, study_name: str) -> dict[int, list[dict]]:
     """Trial number -> the flow runs the search created for it (found by their `trial` parameter)."""
-    response = httpx.post(
-        f"{api_url}/flow_runs/filter",
-        json={"flow_runs": {"tags": {"all_": ["cifar-search"]}}, "limit": 200},
-        timeout=30,
+    response = prefect_api.post(
+        f"{api_url}/flow_runs/filter", json={"flow_runs": {"tags": {"all_": ["cifar-search"]}}, "limit": 200}
     )
     runs: dict[int, list[dict]] = {}
     for run in response.json():
