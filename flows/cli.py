@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.metadata
 import json
 import logging
 import os
@@ -200,11 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def prepare_ephemeral_database() -> None:
-    """Creates Prefect's own SQLite database and its block types once, under a lock, when no server is configured.
+    """Migrates Prefect's own SQLite database and registers its block types, under a lock, when no server is configured.
 
     Without a server every run starts a temporary one, which migrates the database under PREFECT_HOME
-    and registers Prefect's block types on first use; runs started at once on a fresh machine would do
-    it together and collide (flows/prefect_database.py).
+    and registers Prefect's block types when they are new to it (a fresh machine, an upgraded Prefect);
+    runs started at once would do it together and collide (flows/prefect_database.py). Done here once
+    per installed Prefect, recorded beside the database.
     """
     from prefect.settings import PREFECT_MEMO_STORE_PATH, get_current_settings
 
@@ -214,13 +216,30 @@ def prepare_ephemeral_database() -> None:
     if not url.startswith("sqlite+aiosqlite:///"):
         return
     database = Path(url.removeprefix("sqlite+aiosqlite:///"))
-    memo = PREFECT_MEMO_STORE_PATH.value()
+    prepared_for, versions = database.with_name(f".{database.name}.prepared"), prefect_versions()
     with locks.exclusive(database.with_name(f".{database.name}.lock"), f"Prefect's database {database}"):
-        if not database.exists() or not block_types_registered(memo):
-            command = [sys.executable, str(REPO_ROOT / "flows" / "prefect_database.py")]
-            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if result.returncode != 0:
-                raise RuntimeError(f"could not prepare Prefect's database {database}:\n{result.stderr[-3000:]}")
+        prepared = database.exists() and read_text(prepared_for) == versions
+        if prepared and block_types_registered(PREFECT_MEMO_STORE_PATH.value()):
+            return
+        command = [sys.executable, str(REPO_ROOT / "flows" / "prefect_database.py")]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"could not prepare Prefect's database {database}:\n{result.stderr[-3000:]}")
+        prepared_for.write_text(versions, encoding="utf-8")  # Under the lock: nobody reads it half-written.
+
+
+def prefect_versions() -> str:
+    """The installed Prefect distributions (`prefect==3.8.8`, any collection): its migrations and block types."""
+    names = {distribution.metadata["Name"] or "" for distribution in importlib.metadata.distributions()}
+    prefects = sorted(name for name in names if name.lower().startswith("prefect"))
+    return "".join(f"{name}=={importlib.metadata.version(name)}\n" for name in prefects)
+
+
+def read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
 
 
 def block_types_registered(memo: Path) -> bool:

@@ -154,9 +154,14 @@ def test_temporary_prefect_servers_started_at_once_on_a_new_prefect_home_do_not_
     prepare = [sys.executable, "-c", "from flows.cli import prepare_ephemeral_database as p; p()"]
     preparing = [subprocess.Popen(prepare, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     assert all(process.wait(timeout=300) == 0 for process in preparing), [p.stderr.read() for p in preparing]
-    memo = tmp_path / "prefect-home" / "memo_store.toml"
+    home = tmp_path / "prefect-home"
+    memo, prepared_for = home / "memo_store.toml", home / ".prefect.db.prepared"
+    assert "block_auto_registration" in memo.read_text() and prepared_for.read_text().startswith("prefect==")
+    installed = prepared_for.read_text()
+    prepared_for.write_text("prefect==3.0.0\n")  # As after an upgrade: new migrations, maybe new block types.
+    assert subprocess.run(prepare, cwd=REPO_ROOT, env=env, timeout=300).returncode == 0
+    assert prepared_for.read_text() == installed
     recorded = memo.stat().st_mtime_ns
-    assert "block_auto_registration" in memo.read_text()
 
     script = tmp_path / "trivial.py"  # A server's start-up after it reads the memo and skips the registration.
     script.write_text("from prefect import flow\n\n@flow\ndef trivial():\n    return 1\n\ntrivial()\n")
