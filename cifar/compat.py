@@ -95,8 +95,8 @@ def patch_device_prefetch_autotune() -> None:
     `model.fit` waits for it: a run sat idle for up to a minute after its last epoch (a gdb dump of
     the wait: `RootDataset::Iterator::~Iterator` joining the thread in `Model::OptimizeLoop`). The
     wrapper turns the autotuner off in each device dataset only (the pipeline's own datasets keep
-    their options). No public API reaches those
-    datasets; `tf.distribute.InputOptions` avoids the iterator only in per-replica mode. Idempotent.
+    their options). No public API reaches those datasets; `tf.distribute.InputOptions` avoids the
+    iterator only in per-replica mode. Idempotent.
     """
     import tensorflow as tf
     from tensorflow.python.data.ops import multi_device_iterator_ops

@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import tomllib
 import traceback
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -208,7 +207,7 @@ def prepare_ephemeral_database() -> None:
     runs started at once would do it together and collide (flows/prefect_database.py). Done here once
     per installed Prefect, recorded beside the database.
     """
-    from prefect.settings import PREFECT_MEMO_STORE_PATH, get_current_settings
+    from prefect.settings import get_current_settings
 
     if get_current_settings().api.url:
         return
@@ -218,8 +217,7 @@ def prepare_ephemeral_database() -> None:
     database = Path(url.removeprefix("sqlite+aiosqlite:///"))
     prepared_for, versions = database.with_name(f".{database.name}.prepared"), prefect_versions()
     with locks.exclusive(database.with_name(f".{database.name}.lock"), f"Prefect's database {database}"):
-        prepared = database.exists() and read_text(prepared_for) == versions
-        if prepared and block_types_registered(PREFECT_MEMO_STORE_PATH.value()):
+        if database.exists() and prepared_for.exists() and prepared_for.read_text(encoding="utf-8") == versions:
             return
         command = [sys.executable, str(REPO_ROOT / "flows" / "prefect_database.py")]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -233,21 +231,6 @@ def prefect_versions() -> str:
     names = {distribution.metadata["Name"] or "" for distribution in importlib.metadata.distributions()}
     prefects = sorted(name for name in names if name.lower().startswith("prefect"))
     return "".join(f"{name}=={importlib.metadata.version(name)}\n" for name in prefects)
-
-
-def read_text(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-
-
-def block_types_registered(memo: Path) -> bool:
-    """Whether a Prefect server's start-up (or flows/prefect_database.py) has recorded its block registration."""
-    try:
-        return "block_auto_registration" in tomllib.loads(memo.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError):
-        return False
 
 
 def supervise(argv: list[str], script: str = "pipeline.py") -> int:
