@@ -56,10 +56,33 @@ def test_space_presets_fit_the_presets_they_are_for():
             {"name": "g", "sampler": "grid", "params": {"weight_decay": {"type": "float", "low": 0, "high": 1}}},
             "params.weight_decay: a grid search takes categorical choices only",
         ),
+        (
+            {
+                **space(learning_rate={"type": "float", "low": 0.01, "high": 0.1}),
+                "first_trials": [{"learning_rate": 0.5}],
+            },
+            "first_trials[0].learning_rate: 0.5 is outside [0.01, 0.1]",
+        ),
+        (
+            {**space(batch_size={"type": "categorical", "choices": [32, 64]}), "first_trials": [{"batch_size": 48}]},
+            "first_trials[0].batch_size: 48 is not one of the choices [32, 64]",
+        ),
+        (
+            {**space(epochs={"type": "int", "low": 2, "high": 8, "step": 2}), "first_trials": [{}, {"epochs": 3}]},
+            "first_trials[1].epochs: 3 is not on the step 2 from 2",
+        ),
+        (
+            {**space(epochs={"type": "int", "low": 2, "high": 8}), "first_trials": [{"model": "tiny"}]},
+            "first_trials[0].model: not one of the space's params",
+        ),
+        (
+            {**space(model={"type": "categorical", "choices": ["tiny"]}), "sampler": "grid", "first_trials": [{}]},
+            "first_trials: a grid search tries every combination once",
+        ),
     ],
 )
 def test_a_bad_space_fails_naming_the_field(spec, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         SearchSpace.model_validate(spec)
 
 
@@ -72,6 +95,14 @@ def test_a_value_the_pipeline_refuses_fails_before_any_trial():
         model.check_against(make_config("smoke"))
     with pytest.raises(ValueError, match="needs a validation split"):
         SPACE_PRESETS["smoke"].check_against(make_config("smoke", {"data": {"validation_size": 0}}))
+    # A first trial is checked whole: each value fits on its own, not the two together.
+    params = {"epochs": {"type": "int", "low": 2, "high": 3}, "warmup_epochs": {"type": "float", "low": 0, "high": 2}}
+    together = [{"epochs": 3, "warmup_epochs": 2}, {"epochs": 2, "warmup_epochs": 2}]
+    first = SearchSpace.model_validate({**space(**params), "first_trials": together})
+    with pytest.raises(
+        ValueError, match=r"space.first_trials\[1\]: .* is refused: warmup_epochs \(2.0\) must be shorter"
+    ):
+        first.check_against(make_config("smoke", {"train": {"epochs": 3, "schedule": "cosine"}}))
 
 
 def test_a_space_loads_from_a_preset_a_json_or_a_yaml_file(tmp_path):
@@ -150,6 +181,27 @@ def test_trials_report_prune_and_tell_their_outcome_in_a_shared_journal(tmp_path
         studies.open_study(storage, "unit", other, seed=0)
 
 
+def test_first_trials_run_in_order_once_then_the_sampler_picks(tmp_path):
+    first_trials = [{"learning_rate": 0.05}, {"learning_rate": 0.002}, {}]
+    space_with_first = PRUNING_SPACE.model_copy(update={"first_trials": first_trials})
+    storage = str(tmp_path / "search" / "first.journal")
+    study = studies.open_study(storage, "first", space_with_first, seed=0)
+    number, params = studies.ask_trial(study, space_with_first)
+    assert (number, params) == (0, {"learning_rate": 0.05})
+    # A restarted search finds the rest still queued, and queues nothing again.
+    reopened = studies.open_study(storage, "first", space_with_first, seed=0)
+    asked = [studies.ask_trial(reopened, space_with_first) for _ in range(3)]
+    assert [number for number, _ in asked] == [1, 2, 3] and asked[0][1] == {"learning_rate": 0.002}
+    assert all(0.001 <= params["learning_rate"] <= 0.1 for _, params in asked[1:])  # The empty point is sampled.
+    assert len(reopened.trials) == 4
+
+    # Only a space with first trials names another study: studies made before they existed are found.
+    config = make_config("smoke")
+    assert studies.study_name_for(SPACE_PRESETS["smoke"], config) == "smoke-smoke-61e1ead7"
+    with_first = SPACE_PRESETS["smoke"].model_copy(update={"first_trials": [{"model": "tiny"}]})
+    assert studies.study_name_for(with_first, config) != "smoke-smoke-61e1ead7"
+
+
 def test_the_command_line_refuses_a_bad_space_before_any_work(tmp_path):
     (tmp_path / "space.json").write_text(json.dumps(space(epochs={"type": "int", "low": 0, "high": 3})))
     result = subprocess.run(
@@ -178,6 +230,10 @@ HOPELESS_SPACE = {
         "weight_decay": {"type": "float", "low": 1e-5, "high": 1e-3, "log": True},
     },
     "pruner": {"kind": "median", "startup_trials": 2, "min_epochs": 1},
+    # Three that learn, then two hopeless ones asked once two have finished, so the pruner has its bar
+    # (left to the sampler, the hopeless draws fell among the first two now and then: nothing pruned).
+    # The sixth is the sampler's.
+    "first_trials": [{"learning_rate": 0.05}] * 3 + [{"learning_rate": 1e-6}] * 2,
 }
 SEARCH_TIMEOUT_SECONDS = 480
 
@@ -283,6 +339,10 @@ def test_a_search_runs_trials_in_parallel_prunes_and_registers_the_best(search):
     # At least two trials ran at the same time, on the two workers.
     spans = [(datetime.fromisoformat(row["started"]), datetime.fromisoformat(row["finished"])) for row in trials]
     assert any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1 :]), spans
+
+    # The space's first trials ran first, in order; the sampler picked the rest.
+    first = [row["params"]["learning_rate"] for row in sorted(trials, key=lambda row: row["number"])][:5]
+    assert first == [point["learning_rate"] for point in HOPELESS_SPACE["first_trials"]]
 
     # At least one hopeless trial was pruned: PRUNED in Optuna, "Pruned" in Prefect, tagged in MLflow,
     # with the epochs it trained kept.

@@ -14,7 +14,12 @@ preset name or a JSON/YAML file of the same shape:
 
     {"name": "lr-only", "sampler": "tpe",
      "params": {"learning_rate": {"type": "float", "low": 0.001, "high": 0.5, "log": true}},
-     "pruner": {"kind": "median", "startup_trials": 2, "min_epochs": 1}}
+     "pruner": {"kind": "median", "startup_trials": 2, "min_epochs": 1},
+     "first_trials": [{"learning_rate": 0.05}]}
+
+`first_trials` are settings tried before the sampler picks, in order (Optuna's `enqueue_trial`): the
+current recipe as a baseline, a point known to be good from an earlier study. A field a first trial
+leaves out is sampled.
 """
 
 from __future__ import annotations
@@ -45,6 +50,13 @@ class Categorical(Spec):
     def bounds(self) -> list[Any]:
         return list(self.choices)
 
+    def refusal(self, value: Any) -> str | None:
+        """Why `value` is not one this distribution can take, or None when it is."""
+        # True == 1 in Python; a flag is not a number here.
+        if any(choice == value and isinstance(choice, bool) == isinstance(value, bool) for choice in self.choices):
+            return None
+        return f"{value!r} is not one of the choices {self.choices}"
+
 
 class FloatRange(Spec):
     """A float in [low, high], uniform or (with `log`) log-uniform."""
@@ -64,6 +76,11 @@ class FloatRange(Spec):
 
     def bounds(self) -> list[Any]:
         return [self.low, self.high]
+
+    def refusal(self, value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"{value!r} is not a number"
+        return None if self.low <= value <= self.high else f"{value!r} is outside [{self.low}, {self.high}]"
 
 
 class IntRange(Spec):
@@ -85,6 +102,15 @@ class IntRange(Spec):
 
     def bounds(self) -> list[Any]:
         return [self.low, self.high]
+
+    def refusal(self, value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"{value!r} is not an integer"
+        if not self.low <= value <= self.high:
+            return f"{value!r} is outside [{self.low}, {self.high}]"
+        if not self.log and (value - self.low) % self.step:
+            return f"{value!r} is not on the step {self.step} from {self.low}"
+        return None
 
 
 Distribution = Annotated[Categorical | FloatRange | IntRange, Field(discriminator="type")]
@@ -122,6 +148,10 @@ class SearchSpace(Spec):
     sampler: Literal["tpe", "random", "grid"] = "tpe"
     params: dict[str, Distribution] = Field(min_length=1, description="train.<field> -> its distribution.")
     pruner: PrunerSpec = PrunerSpec()
+    first_trials: list[dict[str, StrictBool | StrictInt | float | str]] = Field(
+        default_factory=list,
+        description="Settings tried first, in order, before the sampler picks (a field left out is sampled).",
+    )
 
     @model_validator(mode="after")
     def _known_fields(self) -> SearchSpace:
@@ -134,6 +164,17 @@ class SearchSpace(Spec):
             ranges = [field for field, spec in self.params.items() if not isinstance(spec, Categorical)]
             if ranges:
                 raise ValueError(f"params.{ranges[0]}: a grid search takes categorical choices only")
+            if self.first_trials:
+                raise ValueError(
+                    "first_trials: a grid search tries every combination once; first trials are for tpe and random"
+                )
+        for index, point in enumerate(self.first_trials):
+            for field, value in point.items():
+                if field not in self.params:
+                    raise ValueError(f"first_trials[{index}].{field}: not one of the space's params")
+                refusal = self.params[field].refusal(value)
+                if refusal:
+                    raise ValueError(f"first_trials[{index}].{field}: {refusal}")
         return self
 
     def check_against(self, config: PipelineConfig) -> None:
@@ -146,11 +187,9 @@ class SearchSpace(Spec):
             )
         for field, spec in self.params.items():
             for value in spec.bounds():
-                try:
-                    config.train.model_validate({**config.train.model_dump(), field: value})
-                except ValidationError as error:
-                    detail = "; ".join(item["msg"].removeprefix("Value error, ") for item in error.errors())
-                    raise ValueError(f"space.params.{field}: {value!r} is refused: {detail}") from None
+                refuse_settings(config, {field: value}, f"space.params.{field}: {value!r}")
+        for index, point in enumerate(self.first_trials):
+            refuse_settings(config, point, f"space.first_trials[{index}]: {point}")
 
     def grid(self) -> dict[str, list[Any]]:
         """Every categorical choice by field (the grid sampler's search space)."""
@@ -187,6 +226,15 @@ class SearchSpace(Spec):
                 step = None if spec.log else spec.step
                 values[field] = trial.suggest_int(field, spec.low, spec.high, step=step or 1, log=spec.log)
         return values
+
+
+def refuse_settings(config: PipelineConfig, values: dict[str, Any], what: str) -> None:
+    """Raises ValueError starting with `what` when `config.train` with `values` is refused."""
+    try:
+        config.train.model_validate({**config.train.model_dump(), **values})
+    except ValidationError as error:
+        detail = "; ".join(item["msg"].removeprefix("Value error, ") for item in error.errors())
+        raise ValueError(f"{what} is refused: {detail}") from None
 
 
 def log_range(low: float, high: float) -> FloatRange:

@@ -88,7 +88,9 @@ def open_storage(storage: str):
 def study_name_for(space: SearchSpace, config: PipelineConfig) -> str:
     """`<space>-<preset>-<digest>`: the same space on the same base settings is the same study."""
     base = config.model_dump(mode="json", exclude={"trial", "tracking"})
-    digest = stable_hash({"space": space.model_dump(mode="json"), "config": base}, 8)
+    # Without first trials the space digests as it did before they existed: older studies are found.
+    settings = space.model_dump(mode="json", exclude=set() if space.first_trials else {"first_trials"})
+    digest = stable_hash({"space": settings, "config": base}, 8)
     return f"{space.name}-{config.preset}-{digest}"
 
 
@@ -120,6 +122,8 @@ def open_study(storage: str, study_name: str, space: SearchSpace, seed: int):
     if recorded is None:
         study.set_user_attr(SPACE_ATTR, space.model_dump(mode="json"))
         study.set_metric_names([OBJECTIVE])
+        for point in space.first_trials:  # Queued once, with the study: a resumed search finds them waiting.
+            study.enqueue_trial(point)
     elif SearchSpace.model_validate(recorded) != space:
         raise ValueError(f"study {study_name!r} in {redact(storage)} was made for another search space")
     return study
