@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from servers import REPO_ROOT, prefect_api, prefect_env, run_cli, start_prefect_server, start_worker
+from servers import REPO_ROOT, prefect_api, prefect_env, run_cli, start_prefect_server, start_worker, stop_all
 
 from cifar.config import TrialLink, make_config
 from cifar.io import file_digest
@@ -310,8 +310,7 @@ def search(python_archive, tmp_path_factory) -> Search:
         summary = json.loads((workdir / "search-summary.json").read_text())
         yield Search(workdir, summary, server.api_url, killed_returncode, finished, second.stdout + second.stderr)
     finally:
-        for worker in workers:
-            worker.stop()
+        stop_all(workers)
         server.stop()
 
 
