@@ -59,12 +59,20 @@ def isolated_env(home: Path, api_url: str | None, **extra: str) -> dict[str, str
     return env
 
 
+def interruptible() -> None:
+    """In a child before it runs: SIGINT back to its default. A search started in the background
+    (`cmd &` in a script, nohup) has SIGINT ignored, which children inherit, and `prefect worker
+    start` stops its worker with SIGINT: such a worker never stopped, and each cost the stop's timeout."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
     """A child in this process's group (a kill of the search reaches it), logging to `log_path`."""
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-        )
+            command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=interruptible,
+        )  # fmt: skip
 
 
 def wait_until(ready, process: subprocess.Popen, log_path: Path, what: str) -> None:
@@ -87,16 +95,18 @@ def healthy(url: str) -> bool:
         return False
 
 
-def stop(process: subprocess.Popen, timeout: float = 20.0) -> None:
-    """SIGTERM, then SIGKILL if it lingers."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(timeout)
+def stop(processes: list[subprocess.Popen], timeout: float = 20.0) -> None:
+    """SIGTERM to all at once, then SIGKILL to any still running `timeout` seconds later."""
+    running = [process for process in processes if process.poll() is None]
+    for process in running:
+        process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in running:
+        try:
+            process.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout)
 
 
 def create_pool_and_deployment(workers: int) -> None:
@@ -155,6 +165,6 @@ def local_work_pool(workers: int, log_dir: Path) -> Iterator[str]:
             print(f"Local work pool {POOL}: {workers} worker(s) on a temporary Prefect server at {api_url}")
             yield api_url
     finally:
-        for process in reversed(processes):  # Workers first (they end their flow runs), the server last.
-            stop(process)
+        stop(processes[1:])  # The workers first, together (they report their flow runs' ends to the server).
+        stop(processes[:1])
         shutil.rmtree(home, ignore_errors=True)

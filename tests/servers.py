@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from flows.local_pool import interruptible
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BIN_DIR = Path(sys.executable).parent  # The venv's bin: prefect, mlflow.
 HOST = "127.0.0.1"
@@ -178,6 +180,7 @@ def _spawn(command: Sequence[str], env: dict[str, str], log_path: Path, cwd: Pat
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=interruptible,  # A worker stops on SIGINT, which a suite run in the background ignores.
         )
     finally:
         log.close()

@@ -219,6 +219,39 @@ def test_the_command_line_refuses_a_bad_space_before_any_work(tmp_path):
     assert not (tmp_path / "w" / "search").exists()
 
 
+# --- The local pool of a search without a server. ------------------------------------------------
+
+LOCAL_POOL_SCRIPT = """
+import sys
+from pathlib import Path
+from prefect.client.orchestration import get_client
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from flows.local_pool import local_work_pool
+
+with local_work_pool(2, Path(sys.argv[1])) as api_url, temporary_settings({PREFECT_API_URL: api_url}):
+    with get_client(sync_client=True) as client:
+        workers = client.read_workers_for_work_pool("cifar-process")
+        deployment = client.read_deployment_by_name("cifar/trial")
+        print(sorted(worker.name for worker in workers), deployment.work_pool_name)
+"""
+
+
+def test_the_local_pool_of_a_background_search_starts_its_workers_and_stops_them_cleanly(tmp_path):
+    # Started as `flows/search.py ... &` from a script: SIGINT ignored, as every child inherits, and the
+    # Prefect CLI stops its worker with SIGINT. Such workers never stopped (killed after 20 s each).
+    result = subprocess.run(
+        [sys.executable, "-c", LOCAL_POOL_SCRIPT, str(tmp_path / "logs")],
+        cwd=REPO_ROOT, env=prefect_env(tmp_path / "prefect"), capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "['local-0', 'local-1'] cifar-process"
+    logs = sorted((tmp_path / "logs").glob("search-worker-*.log"))
+    assert len(logs) == 2
+    for index, log in enumerate(logs):
+        assert f"Worker 'local-{index}' stopped!" in log.read_text(), log.read_text()[-2000:]
+
+
 # --- A real search on a work pool. ---------------------------------------------------------------
 
 TRIALS = 6
