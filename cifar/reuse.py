@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from cifar.workdir import stable_hash
 PACKAGE_DIR = Path(__file__).resolve().parent
 PACKAGE = PACKAGE_DIR.name
 KEY_LENGTH = 16  # Hex characters of a stage key: 64 bits, no collision among any workdir's runs.
+PARSE_LOCK = threading.Lock()  # See parse_source.
 
 # The module each stage runs; everything it imports from this package is found from there.
 STAGE_MODULES = {
@@ -51,11 +53,28 @@ def module_path(module: str) -> Path | None:
     return None
 
 
+def parse_source(path: Path) -> ast.Module:
+    """The syntax tree of a source file, safe from threads.
+
+    CPython 3.11 keeps the AST constructor's recursion depth per interpreter, not per thread
+    (python/cpython#106905): two threads parsing at once (Prefect runs tasks in threads; TensorFlow's
+    autograph parses too) can fail with `SystemError: AST constructor recursion depth mismatch`, which
+    made a task's cache key fail in CI. Ours parse one at a time, and once more if another library's
+    parse still raced this one (the depth is reset at the start of every parse).
+    """
+    source = path.read_bytes()
+    with PARSE_LOCK:
+        try:
+            return ast.parse(source, filename=str(path))
+        except SystemError:
+            return ast.parse(source, filename=str(path))
+
+
 def imported_modules(path: Path, module: str) -> set[str]:
     """The `cifar` modules a source file imports anywhere (top level or inside functions)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+    for node in ast.walk(parse_source(path)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

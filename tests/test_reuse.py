@@ -134,6 +134,22 @@ def test_every_module_a_stage_imports_is_part_of_its_code():
     assert "cifar.input_pipeline" in reuse.module_closure("cifar.evaluate")  # Imported inside a function.
 
 
+def test_a_parse_another_thread_raced_is_parsed_again(monkeypatch):
+    # CPython 3.11 (python/cpython#106905): a parse in another thread at the same moment can make
+    # ast.parse raise SystemError; a task's cache key then failed. The key is the same as undisturbed.
+    expected = reuse.code_files("train")
+    real_parse, raced = reuse.ast.parse, []
+
+    def parse_raced_once(source, *args, **kwargs):
+        if not raced:
+            raced.append(True)
+            raise SystemError("AST constructor recursion depth mismatch (before=78, after=94)")
+        return real_parse(source, *args, **kwargs)
+
+    monkeypatch.setattr(reuse.ast, "parse", parse_raced_once)
+    assert reuse.code_files("train") == expected and raced == [True]
+
+
 def test_editing_the_optimizer_changes_training_and_nothing_before_it(package_copy):
     before = versions()
     with open(package_copy / "optimizers.py", "a") as handle:
