@@ -957,10 +957,9 @@ def check_search(stack: Stack, archive: Path, entry: Check) -> None:
     searches = stack.prefect("POST", "/flow_runs/filter", {"flows": {"name": {"any_": ["cifar-search"]}}})
     if [run["state"]["type"] for run in searches] != ["COMPLETED"]:
         raise StepError(f"cifar-search flow runs: {[run['state']['type'] for run in searches]}")
-    # Which container ran which trial: each worker's own log names the flow runs it submitted.
-    submitted = {
-        name: set(re.findall(r"submitting flow run '([0-9a-f-]{36})'", logs_of(stack, name))) for name in workers
-    }
+    # Which container ran which trial: each worker's own log names the flow runs it submitted. Both
+    # workers may try the same run; the server lets one have it and the other logs "Aborted submission".
+    submitted = {name: submitted_flow_runs(logs_of(stack, name)) for name in workers}
     spans = []
     for trial in trials:
         run = stack.flow_run(trial["flow_run_id"])
@@ -984,6 +983,12 @@ def check_search(stack: Stack, archive: Path, entry: Check) -> None:
         f"{placement}; in both containers at once: {', '.join(overlaps)}; one study journal and "
         f"search-summary.json on the shared workdir volume"
     )
+
+
+def submitted_flow_runs(worker_log: str) -> set[str]:
+    """The flow runs a worker submitted: those it tried, less those the server gave another worker."""
+    tried = set(re.findall(r"submitting flow run '([0-9a-f-]{36})'", worker_log))
+    return tried - set(re.findall(r"Aborted submission of flow run '([0-9a-f-]{36})'", worker_log))
 
 
 def logs_of(stack: Stack, container: str) -> str:
