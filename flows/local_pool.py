@@ -142,7 +142,8 @@ def local_work_pool(workers: int, log_dir: Path) -> Iterator[str]:
     home = Path(tempfile.mkdtemp(prefix="cifar-search-prefect-"))
     port = free_port()
     api_url = f"http://{HOST}:{port}/api"
-    processes: list[subprocess.Popen] = []
+    servers: list[subprocess.Popen] = []  # One, once started.
+    started_workers: list[subprocess.Popen] = []
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         stamp = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}"
@@ -150,7 +151,7 @@ def local_work_pool(workers: int, log_dir: Path) -> Iterator[str]:
         server_env = isolated_env(home, None, PREFECT_SERVER_UI_ENABLED="false")
         command = prefect_command("server", "start", "--host", HOST, "--port", str(port), "--no-ui")
         server = spawn(command, server_env, server_log)
-        processes.append(server)
+        servers.append(server)
         wait_until(lambda: healthy(f"{api_url}/health"), server, server_log, "the temporary Prefect server")
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
             create_pool_and_deployment(workers)
@@ -159,12 +160,12 @@ def local_work_pool(workers: int, log_dir: Path) -> Iterator[str]:
                 log_path = log_dir / f"search-worker-{index}-{stamp}.log"
                 command = prefect_command("worker", "start", "--pool", POOL, "--limit", "1", "--name", f"local-{index}")
                 worker = spawn(command, worker_env, log_path)
-                processes.append(worker)
+                started_workers.append(worker)
                 wait_until(lambda path=log_path: "started!" in path.read_text(errors="replace"), worker, log_path,
                            f"worker local-{index}")  # fmt: skip
             print(f"Local work pool {POOL}: {workers} worker(s) on a temporary Prefect server at {api_url}")
             yield api_url
     finally:
-        stop(processes[1:])  # The workers first, together (they report their flow runs' ends to the server).
-        stop(processes[:1])
+        stop(started_workers)  # First, together: they report their flow runs' ends to the server.
+        stop(servers)
         shutil.rmtree(home, ignore_errors=True)
