@@ -1,20 +1,8 @@
 """A model card for every registered version: what it is for, what it learnt from, how good it is, where it is weak.
 
-Written by the register stage, in Markdown and HTML, after the gate has judged the version:
-
-1. intended use and the input contract;
-2. the data: the snapshot (its archive and additions), the examples per split, the known caveats (the
-   share of test images decoded from JPEG when a provenance file lies beside the archive, and the test
-   images with a near-duplicate in the training batches);
-3. training: the config that shaped the model, the training key, the code version;
-4. evaluation: test accuracy (with and without the near-duplicated test images), per-class precision
-   and recall, the confusion matrix, the `new_data` slice;
-5. robustness: accuracy on the test split under standard perturbations, one severity each, made with
-   TensorFlow's image ops (Gaussian noise, blur, brightness, contrast, JPEG quality 50);
-6. the gate's comparison with the champion of the day.
-
-The card lies in WORKDIR/model_cards/<model>/v<version>/ and in the version's run
-(`model_card/model_card.html`), linked from the version's description.
+Written by the register stage (cifar.registry), in Markdown and HTML, after the gate has judged the version:
+intended use, data and its caveats, training, evaluation, robustness, the comparison with the champion.
+It lies in WORKDIR/model_cards/<model>/v<version>/ and in the version's run, linked from its description.
 """
 
 from __future__ import annotations
@@ -24,11 +12,17 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 
+from cifar.champion import TrainedWith
+from cifar.comparison import Comparison
+from cifar.config import PipelineConfig
+from cifar.data.manifest import Manifest
+from cifar.results import EvaluationMetrics
 from cifar.serving_contract import CONTRACT
+from cifar.summary import percent
 
 PROVENANCE_FILE = "cifar-10-provenance.npz"  # Beside the archive: boolean masks train_exact, test_exact.
 CARD_DIR = "model_cards"
@@ -42,6 +36,20 @@ PERTURBATIONS = {  # Name -> what it does, one severity each (pixel values on th
 BATCH = 500
 
 
+class Provenance(BaseModel):
+    """How many images kept their original pixels and how many were decoded from JPEG, and the test accuracy of each."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    file: str  # The provenance file beside the archive.
+    train_original: int
+    train_jpeg: int
+    test_original: int
+    test_jpeg: int
+    accuracy_original: float | None
+    accuracy_jpeg: float | None
+
+
 @dataclass(frozen=True)
 class CardInputs:
     """Everything the card says, gathered by the register stage."""
@@ -50,14 +58,14 @@ class CardInputs:
     version: int
     run_id: str | None
     champion: bool
-    config: dict[str, Any]  # The resolved pipeline config.
-    trained_with: dict[str, Any]  # cifar.champion.TrainedWith as JSON values.
+    config: PipelineConfig  # The resolved pipeline config.
+    trained_with: TrainedWith
     git_commit: str | None
-    manifest: Any  # cifar.data.manifest.Manifest
-    evaluation: dict[str, Any]  # The evaluation's metrics.json.
-    comparison: dict[str, Any]  # cifar.comparison.Comparison as JSON values.
+    manifest: Manifest
+    evaluation: EvaluationMetrics
+    comparison: Comparison
     robustness: dict[str, float]  # Perturbation -> test accuracy.
-    provenance: dict[str, Any] | None  # Counts and accuracies by provenance, when known.
+    provenance: Provenance | None  # Counts and accuracies by provenance, when known.
 
 
 def perturbed(images: np.ndarray, name: str, seed: int = 0) -> np.ndarray:
@@ -100,7 +108,7 @@ def robustness(predict: Callable[[np.ndarray], np.ndarray], images: np.ndarray, 
     return results
 
 
-def provenance(manifest, predictions: np.ndarray, labels: np.ndarray) -> dict[str, Any] | None:
+def provenance(manifest: Manifest, predictions: np.ndarray, labels: np.ndarray) -> Provenance | None:
     """Counts and test accuracy of the original-pixel and JPEG-decoded images, from a provenance file beside
     the archive (`cifar-10-provenance.npz`: boolean masks `train_exact`, `test_exact`), when there is one."""
     path = Path(manifest.source.location).expanduser().parent / PROVENANCE_FILE
@@ -111,30 +119,30 @@ def provenance(manifest, predictions: np.ndarray, labels: np.ndarray) -> dict[st
     if len(test_exact) != len(labels):
         return None
     correct = predictions == labels
-    return {
-        "file": str(path),
-        "train_original": int(train_exact.sum()),
-        "train_jpeg": int((~train_exact).sum()),
-        "test_original": int(test_exact.sum()),
-        "test_jpeg": int((~test_exact).sum()),
-        "accuracy_original": float(correct[test_exact].mean()) if test_exact.any() else None,
-        "accuracy_jpeg": float(correct[~test_exact].mean()) if (~test_exact).any() else None,
-    }
+    return Provenance(
+        file=str(path),
+        train_original=int(train_exact.sum()),
+        train_jpeg=int((~train_exact).sum()),
+        test_original=int(test_exact.sum()),
+        test_jpeg=int((~test_exact).sum()),
+        accuracy_original=float(correct[test_exact].mean()) if test_exact.any() else None,
+        accuracy_jpeg=float(correct[~test_exact].mean()) if (~test_exact).any() else None,
+    )
 
 
 def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f} %"
+    return percent(value) or "-"
 
 
 def card_markdown(card: CardInputs) -> str:
     """The model card as Markdown."""
     manifest, evaluation, comparison = card.manifest, card.evaluation, card.comparison
-    train = card.config["train"]
+    train = card.config.train
     status = "the champion" if card.champion else "not the champion"
     lines = [
         f"# Model card: {card.model_name} v{card.version}",
         "",
-        f"A CIFAR-10 image classifier ({train['model']}), {status} at registration ({comparison['rule']}).",
+        f"A CIFAR-10 image classifier ({train.model}), {status} at registration ({comparison.rule}).",
         "",
         "## Intended use",
         "",
@@ -172,12 +180,12 @@ def card_markdown(card: CardInputs) -> str:
             f"`test_accuracy_deduplicated` leaves them out."
         )
     if card.provenance:
-        prov = card.provenance
+        known = card.provenance
         lines.append(
-            f"- {prov['test_jpeg']:,} of {prov['test_jpeg'] + prov['test_original']:,} test images and "
-            f"{prov['train_jpeg']:,} training images were decoded from JPEG copies (provenance: {prov['file']}); "
-            f"accuracy on the original-pixel test images {_percent(prov['accuracy_original'])}, on the JPEG-decoded "
-            f"ones {_percent(prov['accuracy_jpeg'])} (the two sets also differ by class)."
+            f"- {known.test_jpeg:,} of {known.test_jpeg + known.test_original:,} test images and "
+            f"{known.train_jpeg:,} training images were decoded from JPEG copies (provenance: {known.file}); "
+            f"accuracy on the original-pixel test images {_percent(known.accuracy_original)}, on the JPEG-decoded "
+            f"ones {_percent(known.accuracy_jpeg)} (the two sets also differ by class)."
         )
     else:
         lines.append("- The provenance of the images (original pixels or re-encoded) is not known for this archive.")
@@ -187,17 +195,17 @@ def card_markdown(card: CardInputs) -> str:
         "",
         "| | |",
         "|---|---|",
-        f"| Model | {train['model']}, {train['epochs']} epochs, batch {train['batch_size']}, "
-        f"learning rate {train['learning_rate']} ({train['schedule']}) |",
-        f"| Preset, seed | {card.config['preset']}, {card.config['seed']} |",
-        f"| Training key | {card.trained_with.get('training_key')} |",
-        f"| Code | git {card.git_commit or 'unknown'}; {len(card.trained_with.get('code') or {})} modules of cifar/ "
+        f"| Model | {train.model}, {train.epochs} epochs, batch {train.batch_size}, "
+        f"learning rate {train.learning_rate} ({train.schedule}) |",
+        f"| Preset, seed | {card.config.preset}, {card.config.seed} |",
+        f"| Training key | {card.trained_with.training_key} |",
+        f"| Code | git {card.git_commit or 'unknown'}; {len(card.trained_with.code or {})} modules of cifar/ "
         "recorded on the version (tag train_code) |",
         "",
         "<details><summary>The full training config</summary>",
         "",
         "```json",
-        json.dumps(card.trained_with.get("train_config"), indent=2, sort_keys=True),
+        json.dumps(card.trained_with.train_config, indent=2, sort_keys=True),
         "```",
         "",
         "</details>",
@@ -206,32 +214,30 @@ def card_markdown(card: CardInputs) -> str:
         "",
         "| metric | value |",
         "|---|---:|",
-        f"| Test accuracy ({evaluation['num_examples']:,} images) | {_percent(evaluation['test_accuracy'])} |",
-        f"| Test accuracy without near-duplicated test images ({evaluation.get('deduplicated_examples')}) | "
-        f"{_percent(evaluation.get('test_accuracy_deduplicated'))} |",
-        f"| Test accuracy with flip TTA | {_percent(evaluation.get('flip_tta_accuracy'))} |",
-        f"| New data accuracy ({evaluation.get('new_data_examples', 0)} images of the additions' validation split"
-        f"{', seen in training' if evaluation.get('new_data_trained_on') else ''}) | "
-        f"{_percent(evaluation.get('new_data_accuracy'))} |",
+        f"| Test accuracy ({evaluation.num_examples:,} images) | {_percent(evaluation.test_accuracy)} |",
+        f"| Test accuracy without near-duplicated test images ({evaluation.deduplicated_examples}) | "
+        f"{_percent(evaluation.test_accuracy_deduplicated)} |",
+        f"| Test accuracy with flip TTA | {_percent(evaluation.flip_tta_accuracy)} |",
+        f"| New data accuracy ({evaluation.new_data_examples} images of the additions' validation split"
+        f"{', seen in training' if evaluation.new_data_trained_on else ''}) | "
+        f"{_percent(evaluation.new_data_accuracy)} |",
         "",
         "| class | precision | recall | support |",
         "|---|---:|---:|---:|",
     ]
-    for name, values in evaluation["per_class"].items():
-        lines.append(
-            f"| {name} | {_percent(values['precision'])} | {_percent(values['recall'])} | {values['support']} |"
-        )
-    weakest = min(evaluation["per_class"].items(), key=lambda item: item[1]["recall"])
+    for name, values in evaluation.per_class.items():
+        lines.append(f"| {name} | {_percent(values.precision)} | {_percent(values.recall)} | {values.support} |")
+    weakest = min(evaluation.per_class.items(), key=lambda item: item[1].recall)
     lines += [
         "",
-        f"Weakest class: {weakest[0]} (recall {_percent(weakest[1]['recall'])}).",
+        f"Weakest class: {weakest[0]} (recall {_percent(weakest[1].recall)}).",
         "",
         "Confusion matrix (rows: true class, columns: predicted):",
         "",
-        "| | " + " | ".join(name[:5] for name in evaluation["class_names"]) + " |",
-        "|---|" + "---:|" * len(evaluation["class_names"]),
+        "| | " + " | ".join(name[:5] for name in evaluation.class_names) + " |",
+        "|---|" + "---:|" * len(evaluation.class_names),
     ]
-    for name, row in zip(evaluation["class_names"], evaluation["confusion_matrix"]):
+    for name, row in zip(evaluation.class_names, evaluation.confusion_matrix):
         lines.append(f"| {name} | " + " | ".join(str(count) for count in row) + " |")
     lines += [
         "",
@@ -241,22 +247,22 @@ def card_markdown(card: CardInputs) -> str:
         "",
         "| perturbation | accuracy | change |",
         "|---|---:|---:|",
-        f"| none | {_percent(evaluation['test_accuracy'])} | |",
+        f"| none | {_percent(evaluation.test_accuracy)} | |",
     ]
     for name, accuracy in card.robustness.items():
-        change = 100 * (accuracy - evaluation["test_accuracy"])
+        change = 100 * (accuracy - evaluation.test_accuracy)
         lines.append(f"| {PERTURBATIONS[name]} | {_percent(accuracy)} | {change:+.2f} points |")
-    lines += ["", "## Against the champion of the day", "", comparison["reason"], ""]
-    champion = comparison.get("champion")
+    lines += ["", "## Against the champion of the day", "", comparison.reason, ""]
+    champion = comparison.champion
     if champion:
         lines += [
-            f"| | this version (v{card.version}) | champion v{champion['version']} |",
+            f"| | this version (v{card.version}) | champion v{champion.version} |",
             "|---|---:|---:|",
-            f"| test accuracy | {_percent(comparison['challenger']['accuracy'])} | {_percent(champion['accuracy'])} |",
-            f"| right only for this model | {comparison['challenger_only']} | {comparison['champion_only']} |",
+            f"| test accuracy | {_percent(comparison.challenger.accuracy)} | {_percent(champion.accuracy)} |",
+            f"| right only for this model | {comparison.challenger_only} | {comparison.champion_only} |",
             "",
-            f"McNemar's exact test: p = {comparison['p_value']:.4g}; largest class drop "
-            f"{comparison['largest_drop_class']} {100 * comparison['largest_class_drop']:+.2f} points.",
+            f"McNemar's exact test: p = {comparison.p_value:.4g}; largest class drop "
+            f"{comparison.largest_drop_class} {100 * comparison.largest_class_drop:+.2f} points.",
         ]
     return "\n".join(lines) + "\n"
 

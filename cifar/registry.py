@@ -43,7 +43,7 @@ from cifar.model_card import CARD_DIR, CardInputs, card_html, card_markdown
 from cifar.model_card import provenance as card_provenance
 from cifar.model_card import robustness as card_robustness
 from cifar.monitoring import REFERENCE_TAG, MonitoringReference, answers_summary
-from cifar.results import EvaluationResult, ExportResult, PromotionResult
+from cifar.results import EvaluationMetrics, EvaluationResult, ExportResult, PromotionResult
 from cifar.reuse import registration_key
 from cifar.serving_model import SAVED_MODEL_ARTIFACT, SavedModelClassifier
 from cifar.tracking import ensure_experiment, finite_metrics, mlflow_client, resolve_tracking_uri, use_run
@@ -236,12 +236,12 @@ def write_model_card(
         version=version,
         run_id=run_id,
         champion=result.champion,
-        config=config.model_dump(mode="json"),
-        trained_with=(trained_with or TrainedWith()).model_dump(mode="json"),
+        config=config,
+        trained_with=trained_with or TrainedWith(),
         git_commit=git_commit(),
         manifest=manifest,
-        evaluation=json.loads(Path(evaluation.metrics_path).read_text(encoding="utf-8")),
-        comparison=result.comparison or {},
+        evaluation=EvaluationMetrics.read(evaluation.metrics_path),
+        comparison=Comparison.model_validate(result.comparison),
         robustness=card_robustness(predict, images, labels),
         provenance=card_provenance(manifest, predictions, labels),
     )

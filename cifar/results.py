@@ -7,6 +7,8 @@ stage `reused` finished work instead of computing it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import BaseModel, ConfigDict
 
 
@@ -95,6 +97,46 @@ class EvaluationResult(StageResult):
     per_checkpoint: list[dict]  # epoch, accuracy, loss (and val_accuracy) for every evaluated checkpoint.
 
 
+class ClassMetrics(BaseModel):
+    """One class's results on the test split."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    precision: float
+    recall: float
+    accuracy: float  # Its share of the class's images classified correctly (= recall).
+    support: int
+
+
+class EvaluationMetrics(BaseModel):
+    """The evaluation's metrics.json (EvaluationResult.metrics_path): the chosen checkpoint in full."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    epoch: int
+    checkpoint: str
+    model: str
+    num_examples: int
+    correct: int
+    test_accuracy: float
+    test_loss: float
+    flip_tta_accuracy: float | None = None
+    tta_accuracy: float | None = None
+    test_accuracy_deduplicated: float | None = None
+    deduplicated_examples: int | None = None
+    new_data_accuracy: float | None = None
+    new_data_examples: int = 0
+    new_data_trained_on: bool = False  # The `new_data` slice was part of training (train.use_all_training_data).
+    class_names: list[str]
+    per_class: dict[str, ClassMetrics]  # By class name.
+    confusion_matrix: list[list[int]]  # Rows: true class, columns: predicted.
+    per_checkpoint: list[dict]
+
+    @classmethod
+    def read(cls, path: str | Path) -> EvaluationMetrics:
+        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+
 class ExportResult(StageResult):
     """Where the verified SavedModel version lives and what it scored."""
 
@@ -122,3 +164,20 @@ class PromotionResult(StageResult):
     comparison_artifact: str | None = None  # Where the run keeps the full comparison.
     comparison: dict | None = None  # The full comparison (cifar.comparison.Comparison) as JSON values.
     model_card: str | None = None  # The version's model card (Markdown; HTML beside it).
+
+
+class RetrainPlan(BaseModel):
+    """What a retrain would use, and whether that differs from what was already trained and judged."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    snapshot: str
+    additions: int  # Additions in the snapshot.
+    data_key: str
+    training_key: str
+    champion_version: int | None
+    judged_version: int | None = None  # A registered version trained under this very key.
+    judged_reason: str | None = None  # The gate's decision on it.
+    nothing_changed: bool
+    changes: list[str]  # What differs from the champion's training, one line each.
+    summary: str  # One sentence for the log, the report and the flow run's state.
