@@ -85,9 +85,9 @@ def champion_or_train(args) -> tuple[str, int]:
 def test_images(workdir: Path) -> np.ndarray:
     """The 10,000 test images of the workdir's latest pipeline run, in the archive's order."""
     from cifar.evaluate import load_split
+    from cifar.summary import PipelineSummary
 
-    summary = json.loads((workdir / "summary.json").read_text())
-    images, _ = load_split(summary["data_dir"], "test")
+    images, _ = load_split(PipelineSummary.read(workdir / "summary.json").data.data_dir, "test")
     return images
 
 

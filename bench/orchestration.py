@@ -216,6 +216,8 @@ def flow_stage_seconds(output: str) -> dict[str, float]:
 
 
 def measure(args, scratch: Path) -> dict:
+    from cifar.summary import PipelineSummary
+
     config = config_for(args)
     home = scratch / "prefect-home"
     home.mkdir()
@@ -271,8 +273,8 @@ def measure(args, scratch: Path) -> dict:
             workdir = scratch / f"{name}-{repeat}"
             if name == "flow":
                 seconds, output = run([*flow_command, "--workdir", str(workdir)], env, scratch / f"{name}-{repeat}.log")
-                summary = json.loads((workdir / "summary.json").read_text())
-                assert set(summary["task_states"].values()) == {"Completed"}, summary["task_states"]
+                states = PipelineSummary.read(workdir / "summary.json").task_states
+                assert set(states.values()) == {"Completed"}, states
                 results["flow_stages"].append(flow_stage_seconds(output))
                 last_flow_workdir = workdir
             else:
@@ -300,7 +302,7 @@ def measure(args, scratch: Path) -> dict:
         seconds, output = run(
             [*flow_command, "--workdir", str(last_flow_workdir)], env, scratch / f"cached-{attempts}.log"
         )
-        states = json.loads((last_flow_workdir / "summary.json").read_text())["task_states"]
+        states = PipelineSummary.read(last_flow_workdir / "summary.json").task_states
         stage_states = {name: state for name, state in states.items() if name in STAGES}
         if set(stage_states.values()) != {"Cached"}:
             # A stage's `cifar/` code changed since the run (others edit the checkout): its key changed and it

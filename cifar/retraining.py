@@ -12,30 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from cifar.champion import TRAINING_KEY_TAG, Champion, TrainedWith, find_champion, training_config
 from cifar.config import PipelineConfig
 from cifar.data.snapshots import DataStore, SnapshotNotFoundError
-from cifar.results import ArchiveInfo
+from cifar.results import ArchiveInfo, RetrainPlan
 from cifar.reuse import code_files, data_key, training_key
-
-
-class RetrainPlan(BaseModel):
-    """What a retrain would use, and whether that differs from what was already trained and judged."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    snapshot: str
-    additions: int  # Additions in the snapshot.
-    data_key: str
-    training_key: str
-    champion_version: int | None
-    judged_version: int | None = None  # A registered version trained under this very key.
-    judged_reason: str | None = None  # The gate's decision on it.
-    nothing_changed: bool
-    changes: list[str]  # What differs from the champion's training, one line each.
-    summary: str  # One sentence for the log, the report and the flow run's state.
 
 
 def plan_retrain(config: PipelineConfig, archive: ArchiveInfo, workdir: str | Path, tracking_uri: str) -> RetrainPlan:

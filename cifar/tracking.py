@@ -138,6 +138,11 @@ def runs_table_url(ui_url: str, experiment_id: str) -> str:
     return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={SHARED_VIEW}&{UI_MODE_QUERY}"
 
 
+def run_label(config: PipelineConfig) -> str:
+    """What a run trains, `smoke-tutorial-lr0.05`: its Prefect flow run's name, its MLflow run's without the time."""
+    return f"{config.preset}-{config.train.model}-lr{config.train.learning_rate:g}"
+
+
 def human_run_name(config: PipelineConfig, now: datetime | None = None) -> str:
     """The MLflow run name: `tracking.run_name` or `train.run_name` when given, else preset, model, rate, UTC time.
 
@@ -147,7 +152,7 @@ def human_run_name(config: PipelineConfig, now: datetime | None = None) -> str:
     if config.tracking.run_name or config.train.run_name:
         return config.tracking.run_name or config.train.run_name
     now = now or datetime.now(UTC)
-    return f"{config.preset}-{config.train.model}-lr{config.train.learning_rate:g}-{now:%Y%m%d-%H%M}"
+    return f"{run_label(config)}-{now:%Y%m%d-%H%M}"
 
 
 def finite_metrics(metrics: dict[str, float | None]) -> dict[str, float]:

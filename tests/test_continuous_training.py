@@ -24,6 +24,7 @@ from test_prefect_server import POOL, Stack, artifacts, flow_run_logs, wait_for
 from cifar.data.manifest import load_manifest
 from cifar.data.synthetic import build_archive, make_split, source_arrays, write_batch_file, write_image_folder
 from cifar.io import file_digest
+from cifar.summary import PipelineSummary
 
 pytestmark = pytest.mark.integration
 
@@ -175,15 +176,15 @@ def test_new_data_retrains_once_and_the_challenger_is_judged_on_the_same_images(
     time.sleep(max(0.0, first_event + TEST_DEBOUNCE_SECONDS + 10 - time.monotonic()))  # Past any second schedule.
     assert len(triggered_runs(stack, nightly)) == 1
 
-    summary = json.loads((workdir / "summary.json").read_text())
-    assert len(summary["retrain"]["changes"]) >= 1 and "+2 additions (140 images" in summary["retrain"]["changes"][0]
+    summary = PipelineSummary.read(workdir / "summary.json")
+    assert len(summary.retrain.changes) >= 1 and "+2 additions (140 images" in summary.retrain.changes[0]
     # The test split is the same bytes in both snapshots; the additions' validation images are `new_data`.
-    new_manifest = load_manifest(summary["data_dir"])
-    old_dir = next(path for path in (workdir / "data").glob("cifar10-*") if str(path) != summary["data_dir"])
+    new_manifest = load_manifest(summary.data.data_dir)
+    old_dir = next(path for path in (workdir / "data").glob("cifar10-*") if str(path) != summary.data.data_dir)
     assert load_manifest(old_dir).splits["test"] == new_manifest.splits["test"]
     assert new_manifest.splits["train"].num_examples + new_manifest.splits["validation"].num_examples == 400 + 140
     assert "new_data" in new_manifest.slices
-    assert "## Robustness" in Path(summary["model_card"]).read_text()  # Every registered version has its card.
+    assert "## Robustness" in Path(summary.promotion.model_card).read_text()  # Every registered version has its card.
 
     # The challenger against the champion on the same 200 test images, recorded, and the alias as the rule says.
     comparison = json.loads(client.get_model_version("cifar10", "2").tags["promotion"])["comparison"]

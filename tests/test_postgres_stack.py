@@ -42,6 +42,8 @@ from test_docker_config import (
     stage_lineage,
 )
 
+from cifar.summary import PipelineSummary
+
 POSTGRES_SCRIPT = REPO_ROOT / "scripts" / "postgres.sh"
 HOST = "127.0.0.1"
 
@@ -449,8 +451,8 @@ def test_smoke_deployment_runs_through_the_compose_worker_into_postgresql(
         "smoke",
     )
     assert runs == [("COMPLETED", "cifar")]
-    summary = json.loads((app / "workdir" / "summary.json").read_text())  # On the worker's workdir volume.
-    assert summary["preset"] == "smoke"
+    summary = PipelineSummary.read(app / "workdir" / "summary.json")  # On the worker's workdir volume.
+    assert summary.preset == "smoke"
 
     tracking = mlflow.MlflowClient(tracking_uri=mlflow_server)
     experiment = tracking.get_experiment_by_name("cifar10")

@@ -7,7 +7,6 @@ registration, and in every other stage: tests/test_reliability.py.)
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 import mlflow
 import pytest
 from servers import REPO_ROOT, prefect_env
+
+from cifar.summary import PipelineSummary
 
 pytestmark = pytest.mark.slow
 
@@ -60,8 +61,8 @@ def run(project: Path, workdir: Path, archive: str, **env: str) -> subprocess.Co
     )
 
 
-def summary_of(workdir: Path) -> dict:
-    return json.loads((workdir / "summary.json").read_text())
+def summary_of(workdir: Path) -> PipelineSummary:
+    return PipelineSummary.read(workdir / "summary.json")
 
 
 def test_editing_the_optimizer_trains_a_new_run_while_an_unchanged_rerun_reuses_everything(
@@ -71,13 +72,13 @@ def test_editing_the_optimizer_trains_a_new_run_while_an_unchanged_rerun_reuses_
     first = run(project, workdir, python_archive)
     assert first.returncode == 0, first.stderr[-4000:]
     before = summary_of(workdir)
-    assert before["config"]["train"]["model"] == "tiny" and before["config"]["preset"] == "smoke"
-    assert before["config"]["train"]["epochs"] == 1 and before["config"]["train"]["steps_per_epoch"] == 60
+    assert before.config.train.model == "tiny" and before.config.preset == "smoke"
+    assert before.config.train.epochs == 1 and before.config.train.steps_per_epoch == 60
 
     # The data key logged to MLflow is the key in the data directory's name.
-    client = mlflow.MlflowClient(tracking_uri=before["tracking_uri"])
-    logged_key = client.get_run(before["mlflow_run_id"]).data.tags["derived.data_key"]
-    assert Path(before["data_dir"]).name == f"cifar10-{logged_key}" and before["keys"]["data"] == logged_key
+    client = mlflow.MlflowClient(tracking_uri=before.training.tracking_uri)
+    logged_key = client.get_run(before.training.mlflow_run_id).data.tags["derived.data_key"]
+    assert Path(before.data.data_dir).name == f"cifar10-{logged_key}" and before.stage_keys["data"] == logged_key
 
     started = time.monotonic()
     unchanged = run(project, workdir, python_archive)
@@ -85,7 +86,7 @@ def test_editing_the_optimizer_trains_a_new_run_while_an_unchanged_rerun_reuses_
     assert unchanged.returncode == 0, unchanged.stderr[-4000:]
     again = summary_of(workdir)
     print(f"unchanged re-run: {seconds:.1f} s")  # Reported, not asserted (no timing assertions in tests).
-    assert again["task_states"] == {
+    assert again.task_states == {
         "download": "Completed",
         "snapshot": "Completed",  # Not cached: `latest` moves when data is ingested.
         "prepare": "Cached",
@@ -95,22 +96,23 @@ def test_editing_the_optimizer_trains_a_new_run_while_an_unchanged_rerun_reuses_
         "export": "Cached",
         "register": "Cached",
     }
-    assert again["keys"] == before["keys"] and again["export_dir"] == before["export_dir"]
+    assert again.stage_keys == before.stage_keys and again.export.export_dir == before.export.export_dir
 
     with open(project / "cifar" / "optimizers.py", "a") as handle:
         handle.write("\n# An edit that changes no behaviour, but the code's version all the same.\n")
     edited = run(project, workdir, python_archive)
     assert edited.returncode == 0, edited.stderr[-4000:]
     after = summary_of(workdir)
-    assert after["task_states"]["prepare"] == "Cached" and after["data_dir"] == before["data_dir"]
-    assert {name: after["task_states"][name] for name in ("train", "evaluate", "export", "register")} == {
+    assert after.task_states["prepare"] == "Cached" and after.data.data_dir == before.data.data_dir
+    assert {name: after.task_states[name] for name in ("train", "evaluate", "export", "register")} == {
         "train": "Completed",
         "evaluate": "Completed",
         "export": "Completed",
         "register": "Completed",
     }
-    assert after["run_name"] != before["run_name"] and after["mlflow_run_id"] != before["mlflow_run_id"]
-    assert Path(after["checkpoint_dir"], "epoch-0001.keras").is_file()
-    assert Path(before["checkpoint_dir"], "epoch-0001.keras").is_file()  # The old run is kept, not resumed.
-    assert after["export_version"] == before["export_version"] + 1
-    assert after["registered_model_version"] == before["registered_model_version"] + 1
+    assert after.training.run_name != before.training.run_name
+    assert after.training.mlflow_run_id != before.training.mlflow_run_id
+    assert Path(after.training.checkpoint_dir, "epoch-0001.keras").is_file()
+    assert Path(before.training.checkpoint_dir, "epoch-0001.keras").is_file()  # The old run is kept, not resumed.
+    assert after.export.version == before.export.version + 1
+    assert after.promotion.registered_model_version == before.promotion.registered_model_version + 1
