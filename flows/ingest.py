@@ -4,47 +4,36 @@
     python flows/ingest.py --list [--workdir W]
     python flows/ingest.py --remove DIGEST [--workdir W]
 
-PATH is a CIFAR batch file (the pickle layout of `data_batch_N`) or a folder of PNG/JPEG images in
-class-named subfolders (`cat/001.png`). The base archive is the latest snapshot's (or `--source` and
-`--sha256`, like the pipeline's). An addition that passes the gate is stored under its digest and the
-latest snapshot plus it becomes the new latest snapshot, which the next pipeline run trains on; the
-flow then emits the Prefect event `cifar.data.added` (the retrain deployment's trigger listens to
-it). One that fails is refused with one line naming the failed checks; the store is unchanged and
-the full report is kept under WORKDIR/data/rejected/.
+What PATH may be, the gate and the `cifar.data.added` event: README "New data" and docs/DATA.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-from cifar.quiet import quiet_environment  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # This checkout first, installed or not.
 
-quiet_environment()
+from flows.runtime import DryRunPlan, Request, dry_run_plan, run_command
 
-from prefect import flow, task  # noqa: E402
-from prefect.events import emit_event  # noqa: E402
+from prefect import flow, task
+from prefect.events import emit_event
 
-from cifar.champion import find_champion  # noqa: E402
-from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir  # noqa: E402
-from cifar.data.additions import RESIZE_METHODS  # noqa: E402
-from cifar.data.checks import DataValidationError  # noqa: E402
-from cifar.data.download import fetch_archive  # noqa: E402
-from cifar.data.ingest import IngestResult, describe_snapshots, ingest_addition, remove_addition  # noqa: E402
-from cifar.data.snapshots import DataStore, workdir_base  # noqa: E402
-from cifar.results import ArchiveInfo  # noqa: E402
-from cifar.tracking import resolve_tracking_uri  # noqa: E402
-from cifar.workdir import downloads_dir  # noqa: E402
-from flows.pipeline import dry_run_plan  # noqa: E402
-from tasks.validation import publish_validation  # noqa: E402
+from cifar.champion import find_champion
+from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir
+from cifar.data.additions import RESIZE_METHODS
+from cifar.data.checks import DataValidationError
+from cifar.data.download import fetch_archive
+from cifar.data.ingest import IngestResult, describe_snapshots, ingest_addition, remove_addition
+from cifar.data.snapshots import DataStore, workdir_base
+from cifar.results import ArchiveInfo
+from cifar.tracking import resolve_tracking_uri
+from cifar.workdir import downloads_dir
+from flows.cli import add_archive_arguments, overrides_from_args
+from tasks.validation import publish_validation
 
 DATA_ADDED_EVENT = "cifar.data.added"  # prefect.yaml's retrain trigger expects this name.
 ResizeMethod = Literal["bilinear", "bicubic", "lanczos", "box", "nearest"]
@@ -103,7 +92,7 @@ def ingest(
     workdir: str = "./workdir",
     config: ConfigOverrides = ConfigOverrides(),
     resize: ResizeMethod | None = None,
-) -> dict[str, Any]:
+) -> IngestResult | DryRunPlan:
     """Adds labelled data (a CIFAR batch file or a folder of class-named subfolders) as a new data snapshot.
 
     `config` gives the base archive (data.source, data.sha256; default: the workdir's latest snapshot's)
@@ -120,12 +109,10 @@ def ingest(
     if result.changed:
         emit_data_added(result, workdir, archive)
     print(f"Ingest: {result.summary}")
-    return result.model_dump()
+    return result
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flows.cli import add_archive_arguments
-
     parser = argparse.ArgumentParser(
         prog="python flows/ingest.py",
         description="Add labelled data to the workdir's data store as a new snapshot (Prefect flow `cifar-ingest`).",
@@ -142,37 +129,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from flows.cli import SUPERVISED_ENV, log_to_file, overrides_from_args, prepare_ephemeral_database, supervise
+def check(args: argparse.Namespace) -> Request | int:
+    """The validated overrides; --list and --remove answer here, without a flow run."""
+    overrides = overrides_from_args(args)
+    workdir = resolve_workdir(args.workdir)
+    if args.list:
+        print(describe_snapshots(workdir))
+        return 0
+    if args.remove:
+        result = remove_addition(workdir, base_archive(overrides.resolve(), overrides, workdir), args.remove)
+        print(result.summary)
+        return 0
 
-    args = build_parser().parse_args(argv)
-    try:
-        overrides = overrides_from_args(args)
-        workdir = resolve_workdir(args.workdir)
-        if args.list:
-            print(describe_snapshots(workdir))
-            return 0
-        if args.remove:
-            config = overrides.resolve()
-            result = remove_addition(workdir, base_archive(config, overrides, workdir), args.remove)
-            print(result.summary)
-            return 0
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if os.environ.get(SUPERVISED_ENV) != "1" and sys.platform == "linux":
-        prepare_ephemeral_database()
-        return supervise(sys.argv[1:] if argv is None else list(argv), script="ingest.py")
-    log_path = log_to_file(workdir, "ingest")
-    try:
-        summary = ingest(path=args.add, workdir=str(workdir), config=overrides, resize=args.resize)
-    except Exception as error:
-        with open(log_path, "a", encoding="utf-8") as log:
-            log.write(traceback.format_exc())
-        print(f"error: {error} (full log: {log_path})", file=sys.stderr)
-        return 1
-    print(summary["summary"])
-    return 0
+    def run() -> int:
+        result = ingest(path=args.add, workdir=str(workdir), config=overrides, resize=args.resize)
+        print(result.summary)
+        return 0
+
+    return Request(workdir, run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command("ingest", build_parser(), check, argv)
 
 
 if __name__ == "__main__":

@@ -4,53 +4,36 @@
                             [--set monitor.max_image_drift=0.1]
     prefect deployment run cifar-predict/predict -p input=/data/incoming
 
-PATH is a folder of PNG/JPEG files, a CIFAR batch file (e.g. the archive's test_batch), a .npy uint8 array
-(N, 32, 32, 3), or TFRecord shards (a .tfrecord file, a directory of them, or a quoted glob). The images
-are scored with the version the model URI names (an alias is resolved to its version first) into
-WORKDIR/predictions/<input digest>-<model>-v<version>/: predictions.parquet (one row per image), summary.json
-and drift.png. The same input with the same version is never scored twice: the job returns the earlier
-outputs. Files that cannot be read are listed and skipped.
-
-Every job compares what it scored with the version's monitoring reference (cifar.monitoring): image drift,
-predicted-class drift and the share of unsure answers, against the `monitor` thresholds. Above one, the
-flow run ends in the state "Drift detected" with a `cifar-drift` warning artifact, and emits the Prefect
-event `cifar.drift.detected` (prefect.yaml's nightly retrain has a trigger on it, off by default). Each
-scoring is an MLflow run in the experiment `cifar10-predictions`, linked to the model version.
+Inputs, outputs, reuse and the drift checks: README "Batch prediction" and docs/BATCH_INFERENCE.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-from cifar.quiet import quiet_environment  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # This checkout first, installed or not.
 
-quiet_environment()
-# The job draws its own progress bar; MLflow's bar for the model's download would be a second one.
-os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+from flows.runtime import DryRunPlan, Request, dry_run_plan, run_command
 
-from prefect import flow, task  # noqa: E402
-from prefect.artifacts import create_markdown_artifact  # noqa: E402
-from prefect.cache_policies import NO_CACHE  # noqa: E402
-from prefect.events import emit_event  # noqa: E402
-from prefect.runtime import flow_run  # noqa: E402
-from prefect.states import Completed  # noqa: E402
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
+from prefect.runtime import flow_run
+from prefect.states import Completed, State
 
-from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir  # noqa: E402
-from cifar.data.additions import RESIZE_METHODS  # noqa: E402
-from cifar.predict import DEFAULT_MODEL, KIND_NAMES, PredictionResult, open_source, parse_model_uri  # noqa: E402
-from cifar.predict import predict as predict_images  # noqa: E402
-from cifar.tracking import resolve_tracking_uri  # noqa: E402
-from flows.pipeline import dry_run_plan  # noqa: E402
-from tasks.artifacts import ProgressReporter, mlflow_run_link  # noqa: E402
+from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir
+from cifar.data.additions import RESIZE_METHODS
+from cifar.predict import DEFAULT_MODEL, KIND_NAMES, PredictionResult, open_source, parse_model_uri
+from cifar.predict import predict as predict_images
+from cifar.summary import MlflowRunLink
+from cifar.tracking import resolve_tracking_uri
+from flows.cli import overrides_from_args
+from tasks.artifacts import ProgressReporter
 
 DRIFT_EVENT = "cifar.drift.detected"  # prefect.yaml's drift trigger on the nightly retrain expects this name.
 DRIFT_DETECTED = "Drift detected"  # The Completed state's name when the scored images drifted.
@@ -97,8 +80,8 @@ def predict_task(input: str, model: str, workdir: str, resize: str | None, confi
 
 def report_markdown(result: PredictionResult) -> str:
     """The job as a person reads it: what was scored with what, where it went, each value against its threshold."""
-    link = mlflow_run_link(result.tracking_uri, result.mlflow_run_id)
-    run = f"[{link['mlflow_run_name']}]({link['mlflow_run_url']})" if link.get("mlflow_run_url") else "-"
+    link = MlflowRunLink.lookup(result.tracking_uri, result.mlflow_run_id)
+    run = f"[{link.name}]({link.url})" if link else "-"
     rows = [
         ("Input", f"`{result.input}` ({KIND_NAMES[result.kind]}, digest `{result.digest[:16]}`)"),
         ("Model", f"{result.model_name} v{result.model_version} (`{result.model_uri}`)"),
@@ -170,21 +153,21 @@ def emit_drift(result: PredictionResult, workdir: str) -> None:
     )
 
 
-def human_flow_run_name() -> str:
+def predict_run_name() -> str:
     """The flow run's name in the Prefect UI: what it scores with which model, `predict-test_batch-cifar10@champion`."""
     parameters = flow_run.parameters
     model = str(parameters.get("model") or DEFAULT_MODEL).removeprefix("models:/").replace("/", "-v")
     return f"predict-{Path(str(parameters.get('input', ''))).name or 'input'}-{model}"
 
 
-@flow(name="cifar-predict", log_prints=True, flow_run_name=human_flow_run_name)
+@flow(name="cifar-predict", log_prints=True, flow_run_name=predict_run_name)
 def predict(
     input: str,
     model: str = DEFAULT_MODEL,
     workdir: str = "./workdir",
     resize: ResizeMethod | None = None,
     config: ConfigOverrides = ConfigOverrides(),
-) -> Any:
+) -> dict[str, Any] | DryRunPlan | State:
     """Scores unlabelled images with a registered model, and judges their drift against the model's reference.
 
     Args:
@@ -231,23 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from flows.cli import SUPERVISED_ENV, log_to_file, overrides_from_args, prepare_ephemeral_database, supervise
+def check(args: argparse.Namespace) -> Request:
+    """Everything a person can get wrong, checked before any work: the overrides, the model URI, the input."""
+    overrides = overrides_from_args(args)
+    parse_model_uri(args.model)
+    source = open_source(args.input, resize=args.resize)
+    workdir = resolve_workdir(args.workdir)
 
-    args = build_parser().parse_args(argv)
-    try:  # Everything a person can get wrong is checked here, before any work: one `error:` line, exit 2.
-        overrides = overrides_from_args(args)
-        parse_model_uri(args.model)
-        source = open_source(args.input, resize=args.resize)
-        workdir = resolve_workdir(args.workdir)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if os.environ.get(SUPERVISED_ENV) != "1" and sys.platform == "linux":
-        prepare_ephemeral_database()
-        return supervise(sys.argv[1:] if argv is None else list(argv), script="predict.py")
-    log_path = log_to_file(workdir, "predict")
-    try:
+    def run() -> int:
         state = predict(
             input=source.path,
             model=args.model,
@@ -257,13 +231,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return_state=True,
         )
         summary = state.result()
-    except Exception as error:
-        with open(log_path, "a", encoding="utf-8") as log:
-            log.write(traceback.format_exc())
-        print(f"error: {error} (full log: {log_path})", file=sys.stderr)
-        return 1
-    print(PredictionResult.model_validate({key: summary[key] for key in PredictionResult.model_fields}).summary())
-    return 0
+        print(PredictionResult.model_validate({key: summary[key] for key in PredictionResult.model_fields}).summary())
+        return 0
+
+    return Request(workdir, run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command("predict", build_parser(), check, argv)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 start-up each server migrates the database and, unless the memo store (PREFECT_HOME/memo_store.toml)
 says it was done, inserts Prefect's block types. Runs started at once on a new PREFECT_HOME would do
 both together and collide (`UNIQUE constraint failed: block_type.slug`: the server exits, the run
-with it). `flows.cli.prepare_ephemeral_database` runs this script in a child process under a lock
+with it). `flows.runtime.prepare_ephemeral_database` runs this script in a child process under a lock
 first; it does what a server's start-up does, with the server's own memo, so later servers skip it.
 """
 

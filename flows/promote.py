@@ -3,34 +3,28 @@
     python flows/promote.py --version 7 --reason "v7 is better on the customer's data; v6 refused on noise"
     python flows/promote.py --rollback --reason "v8 misclassifies trucks in production"
 
-Moves `models:/<model>@champion` (what `make serve` and `cifar-predict` use) to a version the gate
-refused, or back to the version that held it before the current champion (a rollback). Who (the
-account, or `--by`), when and why are recorded as the version's `override` tag, in the registered
-model's `champion_history`, and in the flow run's report. The store is MLFLOW_TRACKING_URI, or the
-workdir's own (`--workdir`).
+Who (the account, or `--by`), when and why go on the version (tag `override`) and into the registered
+model's `champion_history` (README "Continuous training"). The store is MLFLOW_TRACKING_URI, or the workdir's.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-from cifar.quiet import quiet_environment  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # This checkout first, installed or not.
 
-quiet_environment()
+from flows.runtime import DryRunPlan, Request, dry_run_plan, run_command
 
-from prefect import flow  # noqa: E402
-from prefect.artifacts import create_markdown_artifact  # noqa: E402
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
 
-from cifar.config import TrackingConfig, resolve_workdir  # noqa: E402
-from cifar.registry import promote_by_hand  # noqa: E402
-from cifar.tracking import resolve_tracking_uri  # noqa: E402
-from flows.pipeline import dry_run_plan  # noqa: E402
+from cifar.config import TrackingConfig, resolve_workdir
+from cifar.registry import promote_by_hand
+from cifar.tracking import resolve_tracking_uri
 
 
 @flow(name="cifar-promote", log_prints=True)
@@ -41,7 +35,7 @@ def promote(
     model_name: str = "cifar10",
     workdir: str = "./workdir",
     by: str | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | DryRunPlan:
     """Moves the champion alias to `version`, or back to the previous champion with `rollback`; `reason` is required."""
     plan = dry_run_plan("cifar-promote", None, workdir, version=version, rollback=rollback, reason=reason)
     if plan:
@@ -57,7 +51,7 @@ def promote(
     return {**record, "summary": line}
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python flows/promote.py", description=__doc__.split("\n\n")[0])
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--version", type=int, help="the registered version to make champion")
@@ -66,8 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--by", help="who (default: this account)")
     parser.add_argument("--model-name", default="cifar10")
     parser.add_argument("--workdir", default="./workdir", help="whose MLflow store, unless MLFLOW_TRACKING_URI is set")
-    args = parser.parse_args(argv)
-    try:
+    return parser
+
+
+def check(args: argparse.Namespace) -> Request:
+    """Nothing to check before the registry answers (an unknown version, no earlier champion: one `error:` line)."""
+
+    def run() -> int:
         record = promote(
             reason=args.reason,
             version=args.version,
@@ -76,11 +75,14 @@ def main(argv: list[str] | None = None) -> int:
             workdir=args.workdir,
             by=args.by,
         )
-    except Exception as error:  # One line: the registry's answer or ours (unknown version, no earlier champion).
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    print(record["summary"])
-    return 0
+        print(record["summary"])
+        return 0
+
+    return Request(resolve_workdir(args.workdir), run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command("promote", build_parser(), check, argv)
 
 
 if __name__ == "__main__":

@@ -3,50 +3,36 @@
     python flows/retrain.py --preset smoke --workdir W [--force] [--set ...]
     prefect deployment run cifar-retrain/nightly          # at 02:00 UTC, and after every burst of new data
 
-It first works out what a retrain would use: the workdir's latest data snapshot, the config, the code
-(their training key, cifar.retraining). When a registered version was trained under that key (the
-champion, or a challenger the gate refused), it ends in seconds as "Nothing changed" (the flow run's
-state, its report and its log say so): no training, no MLflow run. Otherwise it says what changed and
-runs the pipeline: the challenger trains into the run directory of its own key, and the register stage
-compares it with the champion on the same test images (cifar.comparison) before moving the alias.
-`force` retrains anyway, with a new seed, and says so.
-
-Without `data.source` in the config, the archive is the one the workdir's snapshots extend (the
-preset's default only for a workdir with no data yet), so a trigger that hands over a workdir retrains
-on that workdir's data. The deployment's trigger (prefect.yaml) listens to `cifar.data.added`, which
-`cifar-ingest` emits; the `training` tag limit keeps two trainings off one device.
+How it decides, and its trigger: README "Continuous training" and docs/ORCHESTRATION.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-from cifar.quiet import quiet_environment  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # This checkout first, installed or not.
 
-quiet_environment()
+from flows.runtime import DryRunPlan, Request, dry_run_plan, named_by_config, run_command, show_stage_logs
 
-from prefect import flow, task  # noqa: E402
-from prefect.artifacts import create_markdown_artifact  # noqa: E402
-from prefect.runtime import flow_run  # noqa: E402
-from prefect.states import Completed  # noqa: E402
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.states import Completed, State
 
-from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir  # noqa: E402
-from cifar.data.snapshots import workdir_base  # noqa: E402
-from cifar.preflight import check_request  # noqa: E402
-from cifar.results import ArchiveInfo  # noqa: E402
-from cifar.retraining import RetrainPlan, plan_retrain  # noqa: E402
-from cifar.tracking import resolve_tracking_uri  # noqa: E402
-from flows.pipeline import cifar_pipeline, dry_run_plan, show_stage_logs  # noqa: E402
-from tasks.artifacts import write_summary  # noqa: E402
-from tasks.data import download_archive  # noqa: E402
+from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir
+from cifar.data.snapshots import workdir_base
+from cifar.preflight import check_request
+from cifar.results import ArchiveInfo, RetrainPlan
+from cifar.retraining import plan_retrain
+from cifar.summary import PipelineSummary
+from cifar.tracking import resolve_tracking_uri
+from flows.cli import add_archive_arguments, config_from_args
+from flows.pipeline import cifar_pipeline
+from tasks.artifacts import write_summary
+from tasks.data import download_archive
 
 NOTHING_CHANGED = "Nothing changed"  # The Completed state's name when no retrain was needed.
 
@@ -67,7 +53,7 @@ def plan_retrain_task(config: PipelineConfig, archive: ArchiveInfo, workdir: str
     return plan_retrain(config, archive, workdir, resolve_tracking_uri(config.tracking, workdir))
 
 
-def retrain_markdown(plan: RetrainPlan, summary: dict[str, Any] | None, *, force: bool, seed: int) -> str:
+def retrain_markdown(plan: RetrainPlan, summary: PipelineSummary | None, *, force: bool, seed: int) -> str:
     lines = [f"# Retrain: {NOTHING_CHANGED.lower() if plan.nothing_changed else 'challenger trained'}", ""]
     lines += [plan.summary, ""]
     rows = [
@@ -78,26 +64,22 @@ def retrain_markdown(plan: RetrainPlan, summary: dict[str, Any] | None, *, force
     ]
     if plan.changes:
         rows.append(("What changed", "<br>".join(plan.changes)))
-    if summary and summary.get("registered_model_version") is not None:
-        verdict = "promoted to champion" if summary.get("champion") else "not promoted"
-        rows.append(("Challenger", f"v{summary['registered_model_version']}, {verdict}: {summary['promotion_reason']}"))
+    promotion = summary and summary.promotion
+    if promotion and promotion.registered_model_version is not None:
+        verdict = "promoted to champion" if promotion.champion else "not promoted"
+        rows.append(("Challenger", f"v{promotion.registered_model_version}, {verdict}: {promotion.reason}"))
     lines += ["| | |", "|---|---|", *[f"| {name} | {value} |" for name, value in rows]]
     return "\n".join(lines) + "\n"
 
 
-def human_flow_run_name() -> str:
-    overrides = flow_run.parameters.get("config")
-    try:
-        config = ConfigOverrides.model_validate(overrides or {}).resolve()
-    except ValueError:
-        return "retrain-invalid-config"
+def retrain_run_name(config: PipelineConfig) -> str:
     return f"retrain-{config.preset}-{config.train.model}"
 
 
-@flow(name="cifar-retrain", log_prints=True, flow_run_name=human_flow_run_name)
+@flow(name="cifar-retrain", log_prints=True, flow_run_name=named_by_config(retrain_run_name, "retrain-invalid-config"))
 def retrain(
     config: ConfigOverrides = ConfigOverrides(preset="full"), workdir: str = "./workdir", force: bool = False
-) -> Any:
+) -> PipelineSummary | DryRunPlan | State:
     """Retrains on the workdir's latest data only when something changed; the gate judges the challenger.
 
     `force` retrains even when nothing changed, with a new seed.
@@ -118,20 +100,19 @@ def retrain(
         return Completed(name=NOTHING_CHANGED, message=retraining.summary, data=retraining.model_dump())
     print(f"Forced retrain with seed {config.seed}; {retraining.summary}" if force else retraining.summary.capitalize())
     summary = cifar_pipeline(config=ConfigOverrides.of(config), workdir=workdir, until="export")
-    summary["retrain"] = retraining.model_dump()
-    summary["summary_path"] = write_summary(summary, workdir)  # With what changed, beside what it made.
+    summary.retrain = retraining
+    write_summary(summary)  # With what changed, beside what it made.
     create_markdown_artifact(retrain_markdown(retraining, summary, force=force, seed=config.seed), key="cifar-retrain")
-    verdict = "champion" if summary.get("champion") else "not promoted"
+    promotion = summary.promotion
+    verdict = "champion" if promotion and promotion.champion else "not promoted"
     print(
-        f"Retrained on snapshot {retraining.snapshot}: challenger v{summary.get('registered_model_version')} "
-        f"{verdict} ({summary.get('promotion_reason')})"
+        f"Retrained on snapshot {retraining.snapshot}: challenger v{promotion and promotion.registered_model_version} "
+        f"{verdict} ({promotion and promotion.reason})"
     )
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    from flows.cli import SUPERVISED_ENV, add_archive_arguments, config_from_args, prepare_ephemeral_database, supervise
-
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python flows/retrain.py", description="Retrain when something changed.")
     add_archive_arguments(parser)
     parser.add_argument("--workdir", default="./workdir")
@@ -139,20 +120,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="retrain even when nothing changed (a new seed)")
     parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")
     parser.set_defaults(fresh=False)
-    args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if os.environ.get(SUPERVISED_ENV) != "1" and sys.platform == "linux":
-        prepare_ephemeral_database()
-        return supervise(sys.argv[1:] if argv is None else list(argv), script="retrain.py")
-    overrides = ConfigOverrides.of(config)
-    if args.source is None:  # Let the flow take the workdir's archive.
+    return parser
+
+
+def check(args: argparse.Namespace) -> Request:
+    """The validated config; without --source the flow takes the workdir's archive."""
+    overrides = ConfigOverrides.of(config_from_args(args))
+    if args.source is None:
         overrides = overrides.model_copy(update={"data": overrides.data.model_copy(update={"source": None})})
-    state = retrain(config=overrides, workdir=args.workdir, force=args.force, return_state=True)
-    return 0 if state.is_completed() else 1
+
+    def run() -> int:
+        state = retrain(config=overrides, workdir=args.workdir, force=args.force, return_state=True)
+        return 0 if state.is_completed() else 1
+
+    return Request(resolve_workdir(args.workdir), run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command("retrain", build_parser(), check, argv)
 
 
 if __name__ == "__main__":

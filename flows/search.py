@@ -3,50 +3,41 @@
     python flows/search.py --source cifar-10-python.tar.gz --sha256 HEX --preset smoke --trials 8 --parallel 2
     prefect deployment run cifar-search/search -p trials=32 -p parallel=4      # on a server's work pool
 
-An Optuna study (`cifar.search`) proposes training settings from a declared search space (TPE by
-default; `grid` walks every combination, which is what `cifar-sweep` does). Each trial is one run
-of the `cifar` deployment (`cifar/trial`), so the pool's workers run up to `parallel` trials at
-once, each on its own machine or device. A trial reports its validation accuracy to the study
-after every epoch; the study's pruner stops hopeless ones (their flow runs end `Pruned`); the
-trial tells the study its outcome itself. The study lives in a store every process reaches (a
-journal file under the workdir, or the database in CIFAR_SEARCH_STORAGE), so a search that is
-stopped and started again continues it: finished trials stay finished, trials still running are
-waited for, trials whose run vanished are dispatched again (and resume their training).
-
-At the end: `WORKDIR/search-summary.json`, the study's plots on the MLflow parent run (every trial
-a child run), a table artifact, and the best trial evaluated, exported and registered through the
-gate by an ordinary `cifar` run (`until`).
-
-Without a server, the command line starts a temporary one with a process work pool and `parallel`
-local workers (`flows/local_pool.py`): the same dispatch, on this machine.
+An Optuna study (`cifar.search`) proposes the trials; without a server the command line starts a local
+pool (flows/local_pool.py). Studies, pruning and results: docs/ORCHESTRATION.md, "Hyperparameter search".
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from uuid import UUID
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # This checkout first, installed or not.
 
-from prefect import flow  # noqa: E402
-from prefect.client.orchestration import get_client  # noqa: E402
-from prefect.deployments import run_deployment  # noqa: E402
-from prefect.exceptions import ObjectNotFound  # noqa: E402
-from pydantic import Field  # noqa: E402
+from flows.runtime import DryRunPlan, Request, dry_run_plan, run_command, show_stage_logs
 
-from cifar.config import ConfigOverrides, PipelineConfig, TrialLink, resolve_workdir  # noqa: E402
-from cifar.search import results as search_results  # noqa: E402
-from cifar.search import study as studies  # noqa: E402
-from cifar.search.space import OBJECTIVE, SearchSpace, load_space  # noqa: E402
-from cifar.tracking import mlflow_client, resolve_tracking_uri  # noqa: E402
-from flows.pipeline import dry_run_plan, show_stage_logs  # noqa: E402
-from tasks.search import attach_trial_run, close_search, open_search_run, open_study, registered_version  # noqa: E402
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound
+from pydantic import Field, ValidationError
+
+from cifar.config import PRESETS, ConfigOverrides, PipelineConfig, TrialLink, resolve_workdir
+from cifar.preflight import check_request
+from cifar.search import results as search_results
+from cifar.search import study as studies
+from cifar.search.space import OBJECTIVE, SPACE_PRESETS, SearchSpace, load_space
+from cifar.tracking import mlflow_client, resolve_tracking_uri
+from flows.cli import add_archive_arguments, config_from_args, describe_validation_error
+from flows.local_pool import local_work_pool
+from tasks.search import attach_trial_run, close_search, open_search_run, open_study, registered_version
 
 TRIAL_DEPLOYMENT = "cifar/trial"  # prefect.yaml: the `cifar` flow, parameters filled in by the search.
 POLL_SECONDS = 2.0  # Between looks at the trials in flight.
@@ -175,7 +166,7 @@ def cifar_search(
     until: SearchUntil = "export",
     deployment: str = TRIAL_DEPLOYMENT,
     storage: str | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | DryRunPlan:
     """Runs `trials` trials of the search space, `parallel` at a time, then evaluates and registers the best.
 
     `space` is a preset (smoke, resnet, grid) or a JSON/YAML file; `storage` the study's store (default:
@@ -257,7 +248,79 @@ def format_search(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    from flows.search_cli import main  # The command line: validation, a local work pool, logs, no orphans.
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python flows/search.py",
+        description="Hyperparameter search over the CIFAR-10 pipeline (Prefect flow `cifar-search`, Optuna).",
+        epilog="Example: python flows/search.py --source cifar-10-python.tar.gz --sha256 HEX --preset smoke "
+        "--trials 8 --parallel 2",
+    )
+    add = parser.add_argument
+    add_archive_arguments(parser)
+    add("--workdir", default="./workdir", help="where data, runs, the study and search-summary.json go")
+    add("--preset", default="smoke", choices=sorted(PRESETS), help="the pipeline preset every trial starts from")
+    presets = ", ".join(sorted(SPACE_PRESETS))
+    add("--space", default="smoke", help=f"search space: a preset ({presets}) or a JSON/YAML file")
+    add("--trials", type=int, default=8, help="trials the study should reach (finished ones count after a restart)")
+    add("--parallel", type=int, default=2, help="trials at once (without a server: local workers)")
+    help_until = "what the best trial gets after the search: train (nothing), evaluate, or export and register"
+    add("--until", default="export", choices=("train", "evaluate", "export"), help=help_until)
+    add("--storage", help="the study's store: a journal file or a database URL (default: CIFAR_SEARCH_STORAGE, "
+        "else WORKDIR/search/<study>.journal)")  # fmt: skip
+    add("--deployment", default=TRIAL_DEPLOYMENT, help="the `cifar` deployment trials run as (with a server)")
+    help_set = "override one config field of every trial, e.g. --set train.steps_per_epoch=20 (repeatable)"
+    add("--set", action="append", metavar="SECTION.FIELD=VALUE", help=help_set)
+    parser.set_defaults(fresh=False)  # config_from_args reads it; a search never discards runs.
+    return parser
 
+
+def check_request_args(args: argparse.Namespace):
+    """The validated config and space of a command line; raises ValueError naming the bad field."""
+    if args.trials < 1 or args.parallel < 1:
+        raise ValueError(f"--trials and --parallel must be at least 1, got {args.trials} and {args.parallel}")
+    config = config_from_args(args)
+    check_request(config)
+    try:
+        space = load_space(args.space)
+    except ValidationError as error:
+        message = describe_validation_error(error).replace("invalid configuration: ", "invalid space: ")
+        raise ValueError(message) from None
+    space.check_against(config)
+    return config, space
+
+
+def check(args: argparse.Namespace) -> Request:
+    """The validated request; the search runs on the server's pool, or on a local one for its length."""
+    config, _ = check_request_args(args)
+    workdir = resolve_workdir(args.workdir)
+    arguments = {
+        "config": ConfigOverrides.of(config),
+        "space": args.space if args.space in SPACE_PRESETS else str(os.path.abspath(args.space)),
+        "trials": args.trials,
+        "parallel": args.parallel,
+        "workdir": str(workdir),
+        "until": args.until,
+        "deployment": args.deployment,
+        "storage": args.storage,
+    }
+
+    def run() -> int:
+        from prefect.settings import get_current_settings
+
+        if get_current_settings().api.url:
+            summary = cifar_search(**arguments)
+        else:
+            with local_work_pool(args.parallel, workdir / "logs"):
+                summary = cifar_search(**arguments)
+        print(format_search(summary))  # The terminal shows one line of each log record: the summary in full.
+        return 0
+
+    return Request(workdir, run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_command("search", build_parser(), check, argv, ephemeral_server=False, error_type=True)
+
+
+if __name__ == "__main__":
     sys.exit(main())

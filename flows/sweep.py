@@ -3,32 +3,32 @@
     python flows/sweep.py                                     # the smoke preset's grid, locally
     prefect deployment run cifar-sweep/sweep -p models='["resnet20","resnet32"]'
 
-Every child is an ordinary pipeline run (cached stages, its own training directory); in MLflow the
-children hang under one parent run (`mlflow.parentRunId`) so the UI compares them side by side.
-Points run one after another: the `training` tag limit would serialise them on one device anyway.
+Every child is an ordinary pipeline run; in MLflow they hang under one parent run (docs/ORCHESTRATION.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # This checkout first, installed or not.
 
-from prefect import flow  # noqa: E402
-from prefect.runtime import flow_run  # noqa: E402
+from flows.runtime import DryRunPlan, Request, dry_run_plan, run_command
 
-from cifar.config import ConfigOverrides, PipelineConfig  # noqa: E402
-from cifar.tracking import mark_failed, resolve_tracking_uri  # noqa: E402
-from flows.pipeline import cifar_pipeline, dry_run_plan  # noqa: E402
-from tasks.sweep import attach_child_run, close_sweep_run, open_sweep_run  # noqa: E402
+from prefect import flow
+from prefect.runtime import flow_run
 
-ROW_FIELDS = ("val_accuracy", "test_accuracy", "mlflow_run_name", "run_name")
+from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir
+from cifar.summary import PipelineSummary
+from cifar.tracking import mark_failed, resolve_tracking_uri, run_label
+from flows.pipeline import cifar_pipeline
+from tasks.sweep import attach_child_run, close_sweep_run, open_sweep_run
+
 REUSED_STATES = {"Cached", "Reused"}  # The point's training finished in an earlier run.
 
 
@@ -47,6 +47,24 @@ def format_sweep(rows: list[dict[str, Any]], metric: str, best: dict[str, Any], 
         reused = "  (reused)" if row.get("reused_run_id") else ""
         lines.append(f"  {row['model']:<10} lr {row['learning_rate']:<8g} {metric} {value}{reused}{marker}")
     return "\n".join(lines)
+
+
+def compared_metric(rows: list[dict[str, Any]]) -> str:
+    """Validation accuracy when the points have it, else test accuracy."""
+    return "val_accuracy" if any(row["val_accuracy"] is not None for row in rows) else "test_accuracy"
+
+
+def point_row(point: PipelineConfig, summary: PipelineSummary) -> dict[str, Any]:
+    """The point's row in the sweep's table: its settings and what its run measured."""
+    training, evaluation = summary.training, summary.evaluation
+    return {
+        "model": point.train.model,
+        "learning_rate": point.train.learning_rate,
+        "val_accuracy": training.val_accuracy,
+        "test_accuracy": evaluation.test_accuracy if evaluation else None,
+        "mlflow_run_name": summary.mlflow.name if summary.mlflow else None,
+        "run_name": training.run_name,
+    }
 
 
 def named_point(config: PipelineConfig, name: str) -> PipelineConfig:
@@ -69,7 +87,7 @@ def sweep(
     learning_rates: list[float] = [0.02, 0.05],  # noqa: B006
     workdir: str = "./workdir",
     until: Literal["train", "evaluate", "export"] = "evaluate",  # A sweep compares trained models.
-) -> dict[str, Any]:
+) -> dict[str, Any] | DryRunPlan:
     """Runs the pipeline for every (model, learning rate) and groups the MLflow runs under one parent."""
     config = config.resolve()
     points = [grid_point(config, model, rate) for model, rate in itertools.product(models, learning_rates)]
@@ -83,26 +101,42 @@ def sweep(
     rows = []
     try:
         for point in points:
-            name = f"{point.preset}-{point.train.model}-lr{point.train.learning_rate:g}"
+            name = run_label(point)
             point = named_point(point, name)
             summary = cifar_pipeline.with_options(flow_run_name=name)(
                 config=ConfigOverrides.of(point), workdir=workdir, until=until
             )
-            reused = summary["task_states"].get("train") in REUSED_STATES
-            child_run_id = attach_child_run(tracking_uri, parent_run_id, summary["mlflow_run_id"], name, reused)
-            row = {"model": point.train.model, "learning_rate": point.train.learning_rate}
-            rows.append(row | {key: summary.get(key) for key in ROW_FIELDS} | {"mlflow_run_id": child_run_id})
+            run_id = summary.training.mlflow_run_id
+            reused = summary.task_states.get("train") in REUSED_STATES
+            child_run_id = attach_child_run(tracking_uri, parent_run_id, run_id, name, reused)
+            rows.append(point_row(point, summary) | {"mlflow_run_id": child_run_id})
             if reused:
-                rows[-1]["reused_run_id"] = summary["mlflow_run_id"]
+                rows[-1]["reused_run_id"] = run_id
     except BaseException as error:  # The parent must not stay RUNNING forever.
         mark_failed(tracking_uri, parent_run_id, f"point {name} failed: {type(error).__name__}: {error}")
         raise
 
-    metric = "val_accuracy" if any(row["val_accuracy"] is not None for row in rows) else "test_accuracy"
+    metric = compared_metric(rows)
     best = close_sweep_run(tracking_uri, parent_run_id, rows, metric)
     print(format_sweep(rows, metric, best, parent_run_id))
     return {"parent_run_id": parent_run_id, "runs": rows, "best": best}
 
 
+def check(args: argparse.Namespace) -> Request:
+    """The default grid on ./workdir (a server's form, or `prefect deployment run -p`, sets the parameters)."""
+
+    def run() -> int:
+        result = sweep()
+        print(format_sweep(result["runs"], compared_metric(result["runs"]), result["best"], result["parent_run_id"]))
+        return 0
+
+    return Request(resolve_workdir("./workdir"), run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python flows/sweep.py", description=__doc__.split("\n\n")[0])
+    return run_command("sweep", parser, check, argv)
+
+
 if __name__ == "__main__":
-    sweep()
+    sys.exit(main())

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import subprocess
 import sys
+
+from flows.runtime import log_to_file
 
 import pytest
 from servers import REPO_ROOT
 
 from cifar.config import OFFICIAL_PYTHON_URL, PRESETS, ConfigOverrides, make_config
-from flows.cli import ConfigError, build_parser, config_from_args, parse_overrides, parse_value
+from cifar.quiet import FRAMEWORK_LOGGERS, VERBOSE_ENV
+from flows.cli import ConfigError, config_from_args, parse_overrides, parse_value
+from flows.pipeline import build_parser
 
 SHA256 = "ab" * 32
 
@@ -161,3 +167,36 @@ def test_deployment_descriptions_state_their_preset_truthfully():
             )
         if deployment["name"] == "nightly":
             assert "UTC" in deployment["description"] and deployment["schedules"][0]["timezone"] == "UTC"
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["quiet", "CIFAR_VERBOSE=1"])
+def test_the_terminal_gets_one_line_of_ours_and_the_log_file_every_line(tmp_path, monkeypatch, verbose):
+    # What the command line's child does before its flow runs, on a terminal handler like Prefect's.
+    stream = io.StringIO()
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [logging.StreamHandler(stream)])
+    for name in FRAMEWORK_LOGGERS:  # Restored afterwards, as MLflow configured them.
+        logger = logging.getLogger(name)
+        for attribute in ("handlers", "level", "propagate"):
+            monkeypatch.setattr(logger, attribute, getattr(logger, attribute))
+    monkeypatch.setenv("MLFLOW_CONFIGURE_LOGGING", "true")
+    monkeypatch.setenv(VERBOSE_ENV, "1" if verbose else "0")
+
+    path = log_to_file(tmp_path)
+    logging.getLogger("mlflow.store.db.utils").info("Creating initial MLflow database tables...")
+    logging.getLogger("mlflow.tracking").warning("A warning of MLflow's")
+    try:
+        raise RuntimeError("the cause")
+    except RuntimeError:
+        logging.getLogger("tasks.training").exception("Training failed")
+    for handler in root.handlers:
+        handler.flush()
+        if isinstance(handler, logging.FileHandler):
+            handler.close()
+
+    terminal, logged = stream.getvalue(), path.read_text()
+    assert "Training failed" in terminal and "the cause" not in terminal  # One line, no traceback.
+    assert "A warning of MLflow's" in terminal
+    assert ("Creating initial MLflow database tables" in terminal) == verbose
+    assert "INFO mlflow.store.db.utils: Creating initial MLflow database tables..." in logged
+    assert "RuntimeError: the cause" in logged and "A warning of MLflow's" in logged

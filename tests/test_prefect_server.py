@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from flows.runtime import DryRunPlan
+
 import pytest
 from servers import (
     REPO_ROOT,
@@ -27,6 +29,7 @@ from servers import (
 
 from cifar.io import file_digest
 from cifar.reuse import STAGE_MODULES, code_version
+from cifar.summary import PipelineSummary
 
 pytestmark = pytest.mark.integration
 
@@ -184,23 +187,24 @@ def test_smoke_deployment_runs_then_reuses_every_stage(stack, python_archive, tm
 
     first = wait_for(stack, run_deployment(stack, "cifar/smoke", parameters))
     assert first["state"]["type"] == "COMPLETED", f"{first['state']}\n{stack.diagnostics()}"
-    summary = json.loads((workdir / "summary.json").read_text())
-    assert Path(summary["export_dir"], "saved_model.pb").is_file()
-    assert summary["registered_model_version"] == 1 and summary["champion"] is True
+    summary = PipelineSummary.read(workdir / "summary.json")
+    export_dir, run_id = summary.export.export_dir, summary.training.mlflow_run_id
+    assert Path(export_dir, "saved_model.pb").is_file()
+    assert summary.promotion.registered_model_version == 1 and summary.promotion.champion is True
     import mlflow
 
-    run = mlflow.MlflowClient(tracking_uri=tracking_uri).get_run(summary["mlflow_run_id"])
-    assert run.data.metrics["test_accuracy"] == pytest.approx(summary["test_accuracy"])
+    run = mlflow.MlflowClient(tracking_uri=tracking_uri).get_run(run_id)
+    assert run.data.metrics["test_accuracy"] == pytest.approx(summary.evaluation.test_accuracy)
     assert all(state == "Completed" for name, state in task_states(stack, first["id"]).items()), task_states(
         stack, first["id"]
     )
     shown = artifacts(stack, first["id"])
     assert shown["training"]["type"] == "progress" and float(shown["training"]["data"]) == 100.0
     report = shown["cifar-report"]["data"]
-    assert "Test accuracy" in report and summary["export_dir"] in report and summary["mlflow_run_id"] in report
+    assert "Test accuracy" in report and export_dir in report and run_id in report
     assert "| airplane |" in report  # The per-class table.
     assert "](http://127.0.0.1:5000/#/experiments/" in report and "make mlflow-ui" in report  # A clickable link.
-    assert summary["mlflow_run_name"].startswith("smoke-tiny-lr0.05-")  # preset-model-rate-UTC time.
+    assert summary.mlflow.name.startswith("smoke-tiny-lr0.05-")  # preset-model-rate-UTC time.
     summary_line = "cifar pipeline done (preset smoke"  # The CLI's summary, in the flow run's logs.
     assert summary_line in flow_run_logs(stack, first["id"], expect=summary_line)
 
@@ -209,7 +213,7 @@ def test_smoke_deployment_runs_then_reuses_every_stage(stack, python_archive, tm
     states, expected = task_states(stack, second["id"]), expected_cached(versions)
     assert {name: states[name] for name in expected} == expected
     if "export" in expected:
-        assert json.loads((workdir / "summary.json").read_text())["export_dir"] == summary["export_dir"]
+        assert PipelineSummary.read(workdir / "summary.json").export.export_dir == export_dir
     if len(expected) == len(EXPENSIVE_TASKS):
         assert duration(second) < duration(first) / 2, (duration(first), duration(second))
 
@@ -232,8 +236,8 @@ def test_crash_mid_training_fails_the_run_and_the_rerun_resumes(stack, python_ar
     resumed_line = "resuming crash-drill after epoch 1"
     assert resumed_line in flow_run_logs(stack, resumed["id"], expect=resumed_line)
     assert first_epoch.stat().st_mtime_ns == written  # Epoch 1 was not trained again.
-    summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["epochs_completed"] == 2 and (checkpoint_dir / "epoch-0002.keras").is_file()
+    summary = PipelineSummary.read(workdir / "summary.json")
+    assert summary.training.epochs_completed == 2 and (checkpoint_dir / "epoch-0002.keras").is_file()
 
 
 def test_sweep_groups_its_child_runs_under_one_mlflow_parent(stack, python_archive, tmp_path):
@@ -338,14 +342,14 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
         finished = wait_for(stack, flow_run_id)
         assert finished["state"]["type"] == "COMPLETED", f"{name}: {finished['state']}\n{stack.diagnostics()}"
     for path in plans_dir.glob("*/summary.json"):
-        plan = json.loads(path.read_text())
-        plans[plan["deployment_id"]] = plan
+        plan = DryRunPlan.read(path)
+        plans[plan.deployment_id] = plan
     for name, (_, deployment, preset) in submitted.items():
         plan = plans[deployment["id"]]
         if preset is None:
-            assert plan["reason"] == "dry run" and "config" not in plan, name
+            assert plan.details["reason"] == "dry run" and plan.config is None, name
             continue
-        assert plan["config"] == make_config(preset).model_dump(mode="json"), name
+        assert plan.config.model_dump(mode="json") == make_config(preset).model_dump(mode="json"), name
 
     # A value outside a closed set never becomes a run: the server validates the form.
     smoke = by_name["smoke"]

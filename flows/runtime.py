@@ -1,0 +1,263 @@
+"""What every flow shares: dry-run plans, stage logs, run names, and the supervised command line (`run_command`).
+
+Each flow file imports this module first (its own isort section in pyproject.toml), so the package's
+quiet prelude (flows/__init__.py) runs before TensorFlow, MLflow or Prefect load. No flow is imported
+here: flows depend on the runtime, never the other way (tests/test_imports.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.metadata
+import logging
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect.runtime import deployment, flow_run
+from pydantic import BaseModel, ConfigDict
+
+from cifar import locks
+from cifar.config import ConfigOverrides, PipelineConfig
+from cifar.io import atomic_write_json
+from cifar.preflight import ImpossibleRequestError
+from cifar.quiet import VERBOSE_ENV, route_framework_logs
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DRY_RUN_ENV = "CIFAR_DRY_RUN"  # A directory: each flow run writes its resolved plan there and runs nothing.
+STAGE_LOGGERS = ("cifar", "tasks")  # PREFECT_LOGGING_EXTRA_LOGGERS=cifar,tasks also sends them to the API.
+SUPERVISED_ENV = "CIFAR_PIPELINE_SUPERVISED"  # Set in the child: it runs the flow instead of supervising.
+PR_SET_CHILD_SUBREAPER = 36  # prctl option (Linux): orphaned descendants are re-parented to this process.
+
+
+# --- Inside a flow run. ----------------------------------------------------------------------------
+
+
+class DryRunPlan(BaseModel):
+    """What a flow run would do, written instead of doing it when the worker has CIFAR_DRY_RUN=DIR."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dry_run: Literal[True] = True
+    flow: str
+    flow_run_id: str
+    deployment_id: str | None
+    workdir: str
+    config: PipelineConfig | None  # Resolved and through the pre-flight checks; None for a flow without one.
+    details: dict[str, Any]  # The flow's other parameters (until, force, path, ...).
+    summary_path: str  # DIR/<flow run id>/summary.json
+
+    @classmethod
+    def read(cls, path: str | Path) -> DryRunPlan:
+        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+    def describe(self) -> str:
+        return f"Dry run ({DRY_RUN_ENV}): the resolved plan of {self.flow} written to {self.summary_path}"
+
+
+def dry_run_plan(flow_name: str, config: PipelineConfig | None, workdir: str, **details: Any) -> DryRunPlan | None:
+    """With CIFAR_DRY_RUN=DIR set on the worker: the run's resolved plan, written to DIR/<flow run id>/summary.json.
+
+    A worker started this way checks what deployments and forms would run (their resolved config,
+    validated and through the pre-flight checks) without downloading, training or writing to a workdir.
+    Without the variable this returns None and the flow runs as usual.
+    """
+    directory = os.environ.get(DRY_RUN_ENV)
+    if not directory:
+        return None
+    run_id = flow_run.get_id() or "local"
+    path = Path(directory) / run_id / "summary.json"
+    plan = DryRunPlan(
+        flow=flow_name,
+        flow_run_id=run_id,
+        deployment_id=deployment.get_id() or flow_run.get_parent_deployment_id(),
+        workdir=str(Path(workdir).resolve()),
+        config=config,
+        details=details,
+        summary_path=str(path),
+    )
+    atomic_write_json(path, plan.model_dump(mode="json"))
+    print(plan.describe())
+    return plan
+
+
+def show_stage_logs() -> None:
+    """Lets the stages' INFO messages through (Prefect's root logger stops at WARNING)."""
+    for name in STAGE_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+
+
+def named_by_config(describe: Callable[[PipelineConfig], str], invalid: str) -> Callable[[], str]:
+    """A flow's `flow_run_name`: `describe` of the run's resolved `config` parameter, what a person scanning
+    the Prefect UI needs, or `invalid` when it does not resolve (the run then fails on it, naming the field)."""
+
+    def flow_run_name() -> str:
+        try:
+            config = ConfigOverrides.model_validate(flow_run.parameters.get("config") or {}).resolve()
+        except ValueError:
+            return invalid
+        return describe(config)
+
+    return flow_run_name
+
+
+# --- The command line. -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """A command line checked before any work: where its log goes, and its flow run (in the supervised child)."""
+
+    workdir: Path
+    run: Callable[[], int]  # Runs the flow, prints its result, returns the exit code.
+
+
+def run_command(
+    script: str,
+    parser: argparse.ArgumentParser,
+    check: Callable[[argparse.Namespace], Request | int],
+    argv: Sequence[str] | None = None,
+    *,
+    ephemeral_server: bool = True,
+    error_type: bool = False,
+) -> int:
+    """The command line of `flows/<script>.py`: 2 for a bad request (before any work), else the run's code.
+
+    `check(args)` validates the request (ValueError or ImpossibleRequestError: one `error:` line, exit 2)
+    and returns a Request, or an exit code when it answered without a flow run. The flow then runs in a
+    supervised child (Linux) whose log goes to WORKDIR/logs/<script>-*.log; a failure prints one `error:`
+    line (with the exception's type when `error_type`) and exits 1. `ephemeral_server`: the flow may start
+    Prefect's temporary server, whose database is prepared first.
+    """
+    args = parser.parse_args(argv)
+    try:
+        request = check(args)
+    except (ValueError, ImpossibleRequestError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2  # Before any work: nothing was started or written.
+    if isinstance(request, int):
+        return request
+    if os.environ.get(SUPERVISED_ENV) != "1" and sys.platform == "linux":
+        if ephemeral_server:
+            prepare_ephemeral_database()
+        return supervise(script, sys.argv[1:] if argv is None else list(argv))
+    log_path = log_to_file(request.workdir, script)
+    try:
+        return request.run()
+    except Exception as error:
+        with open(log_path, "a", encoding="utf-8") as log:
+            log.write(traceback.format_exc())
+        described = f"{type(error).__name__}: {error}" if error_type else str(error)
+        print(f"error: {described} (full log: {log_path})", file=sys.stderr)
+        return 1
+
+
+def supervise(script: str, argv: list[str]) -> int:
+    """Runs `flows/<script>.py` in a child process; afterwards no process it started is left running.
+
+    The one place that watches a run's processes: forwarding a signal to the child would go here too.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # Its orphans (the Prefect server) become ours to end.
+    command = [sys.executable, str(REPO_ROOT / "flows" / f"{script}.py"), *argv]
+    child = subprocess.Popen(command, env={**os.environ, SUPERVISED_ENV: "1"})  # Same process group: Ctrl-C reaches it.
+    try:
+        code = child.wait()
+    except KeyboardInterrupt:
+        code = child.wait()
+    finally:
+        import psutil
+
+        leftovers = psutil.Process().children(recursive=True)
+        for process in leftovers:
+            process.kill()
+        psutil.wait_procs(leftovers, timeout=10)
+    if code < 0:
+        name = signal.Signals(-code).name
+        print(
+            f"error: the {script} process was killed by {name} (out of memory, or stopped by hand); "
+            "run the same command again to resume",
+            file=sys.stderr,
+        )
+        return 1
+    return code
+
+
+def prepare_ephemeral_database() -> None:
+    """Migrates Prefect's own SQLite database and registers its block types, under a lock, when no server is configured.
+
+    Without a server every run starts a temporary one, which migrates the database under PREFECT_HOME
+    and registers Prefect's block types when they are new to it (a fresh machine, an upgraded Prefect);
+    runs started at once would do it together and collide (flows/prefect_database.py). Done here once
+    per installed Prefect, recorded beside the database.
+    """
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url:
+        return
+    url = get_current_settings().server.database.connection_url.get_secret_value()
+    if not url.startswith("sqlite+aiosqlite:///"):
+        return
+    database = Path(url.removeprefix("sqlite+aiosqlite:///"))
+    prepared_for, versions = database.with_name(f".{database.name}.prepared"), prefect_versions()
+    with locks.exclusive(database.with_name(f".{database.name}.lock"), f"Prefect's database {database}"):
+        if database.exists() and prepared_for.exists() and prepared_for.read_text(encoding="utf-8") == versions:
+            return
+        command = [sys.executable, str(REPO_ROOT / "flows" / "prefect_database.py")]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"could not prepare Prefect's database {database}:\n{result.stderr[-3000:]}")
+        prepared_for.write_text(versions, encoding="utf-8")  # Under the lock: nobody reads it half-written.
+
+
+def prefect_versions() -> str:
+    """The installed Prefect distributions (`prefect==3.8.8`, any collection): its migrations and block types."""
+    names = {distribution.metadata["Name"] or "" for distribution in importlib.metadata.distributions()}
+    prefects = sorted(name for name in names if name.lower().startswith("prefect"))
+    return "".join(f"{name}=={importlib.metadata.version(name)}\n" for name in prefects)
+
+
+class FirstLineFormatter(logging.Formatter):
+    """Formats a record as `formatter` does, without its traceback: the terminal gets one line per record."""
+
+    def __init__(self, formatter: logging.Formatter | None) -> None:
+        super().__init__()
+        self.formatter = formatter or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text
+        record.exc_info, record.exc_text = None, None
+        try:
+            return self.formatter.format(record).split("\n", 1)[0]
+        finally:
+            record.exc_info, record.exc_text = saved
+
+
+def log_to_file(workdir: Path, name: str = "pipeline") -> Path:
+    """Every record, tracebacks and the frameworks' own lines included, goes to
+    WORKDIR/logs/<name>-<UTC time>-<pid>.log; the terminal keeps one line of each of ours."""
+    path = workdir / "logs" / f"{name}-{datetime.now(UTC):%Y%m%d-%H%M%S}-{os.getpid()}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(path, encoding="utf-8")
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    terminals = [
+        handler
+        for handler in root.handlers
+        if type(handler) is not logging.FileHandler and isinstance(handler, logging.StreamHandler)
+    ]
+    for handler in terminals:
+        handler.setFormatter(FirstLineFormatter(handler.formatter))
+    root.addHandler(file_handler)
+    route_framework_logs(terminals if os.environ.get(VERBOSE_ENV) != "1" else [])
+    return path
