@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from servers import REPO_ROOT, prefect_env
 
 from cifar.io import file_digest
 from cifar.reuse import code_version
+from cifar.summary import PipelineSummary
 
 DATA_ONLY = ["--until", "data", "--set", "data.expect_official_counts=false", "--set", "data.validation_size=100"]
 
@@ -21,12 +21,12 @@ def prefect_home(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("prefect-home")
 
 
-def run_pipeline(prefect_home: Path, *argv: str) -> subprocess.CompletedProcess:
+def run_pipeline(prefect_home: Path, *argv: str, **env: str) -> subprocess.CompletedProcess:
     """Runs the pipeline script as a user would, with an isolated PREFECT_HOME and no PREFECT_API_URL."""
     return subprocess.run(
         [sys.executable, "flows/pipeline.py", *argv],
         cwd=REPO_ROOT,
-        env=prefect_env(prefect_home),
+        env=prefect_env(prefect_home, **env),
         capture_output=True,
         text=True,
         timeout=300,
@@ -47,7 +47,7 @@ def expected_cached(before: dict[str, str]) -> dict[str, str]:
 
 
 def task_states(workdir: Path, names) -> dict[str, str]:
-    states = json.loads((workdir / "summary.json").read_text())["task_states"]
+    states = PipelineSummary.read(workdir / "summary.json").task_states
     return {name: states[name] for name in names}
 
 
@@ -56,20 +56,24 @@ def test_data_stage_writes_the_summary_then_is_cached(prefect_home, python_archi
     versions = code_versions()
     argv = ["--source", python_archive, "--sha256", file_digest(python_archive), "--workdir", str(workdir), *DATA_ONLY]
 
-    first = run_pipeline(prefect_home, *argv)
+    # The stages' loggers also go to Prefect's API, as on a worker (prefect.yaml's pool).
+    first = run_pipeline(prefect_home, *argv, PREFECT_LOGGING_EXTRA_LOGGERS="cifar,tasks")
     assert first.returncode == 0, first.stderr[-4000:]
-    summary = json.loads((workdir / "summary.json").read_text())
-    assert Path(summary["manifest"]) == Path(summary["data_dir"]) / "manifest.json"
-    assert Path(summary["manifest"]).is_file()
-    assert summary["counts"] == {"train": 400, "validation": 100, "test": 200}
-    assert summary["task_states"] == {
+    summary = PipelineSummary.read(workdir / "summary.json")
+    data = summary.data
+    assert Path(data.manifest_path) == Path(data.data_dir) / "manifest.json"
+    assert Path(data.manifest_path).is_file()
+    assert data.counts == {"train": 400, "validation": 100, "test": 200}
+    assert summary.task_states == {
         "download": "Completed",
         "snapshot": "Completed",
         "prepare": "Completed",
         "validate-data": "Completed",  # The gate runs every time: the champion may have changed.
     }
-    assert summary["snapshot"] and summary["data_validation"]["passed"]
-    assert "cifar pipeline done" in first.stdout and summary["data_dir"] in first.stdout
+    assert data.snapshot and summary.validation.passed
+    assert "cifar pipeline done" in first.stdout and data.data_dir in first.stdout
+    # The data stage logs from a thread too (the archive's analysis): its lines belong to the flow run.
+    assert "without a flow run id" not in first.stderr, first.stderr[-4000:]
 
     second = run_pipeline(prefect_home, *argv)
     assert second.returncode == 0, second.stderr[-4000:]
@@ -77,7 +81,7 @@ def test_data_stage_writes_the_summary_then_is_cached(prefect_home, python_archi
     assert task_states(workdir, expected) == expected
 
     # A shard deleted behind the cache's back: the stale result is not returned, the data is rebuilt.
-    shard = next(Path(summary["data_dir"]).glob("train-*.tfrecord"))
+    shard = next(Path(data.data_dir).glob("train-*.tfrecord"))
     shard.unlink()
     third = run_pipeline(prefect_home, *argv)
     assert third.returncode == 0, third.stderr[-4000:]
@@ -87,7 +91,7 @@ def test_data_stage_writes_the_summary_then_is_cached(prefect_home, python_archi
     # --refresh recomputes even though everything is in place.
     refreshed = run_pipeline(prefect_home, *argv, "--refresh")
     assert refreshed.returncode == 0, refreshed.stderr[-4000:]
-    assert json.loads((workdir / "summary.json").read_text())["task_states"] == {
+    assert PipelineSummary.read(workdir / "summary.json").task_states == {
         "download": "Completed",
         "snapshot": "Completed",
         "prepare": "Completed",

@@ -22,6 +22,7 @@ from servers import REPO_ROOT, prefect_env
 
 from cifar.config import make_config
 from cifar.preflight import GIB, ImpossibleRequestError, check_request
+from cifar.summary import PipelineSummary
 
 SMALL = ["--preset", "smoke", "--set", "train.model=tiny", "--set", "train.epochs=2", "--set", "train.batch_size=100",
          "--set", "data.validation_size=100", "--set", "data.expect_official_counts=false",
@@ -42,8 +43,8 @@ def run(archive: str, workdir: Path, *extra: str, **env: str) -> subprocess.Comp
                           env=environment, timeout=600, start_new_session=True)  # fmt: skip
 
 
-def summary_of(workdir: Path) -> dict:
-    return json.loads((workdir / "summary.json").read_text())
+def summary_of(workdir: Path) -> PipelineSummary:
+    return PipelineSummary.read(workdir / "summary.json")
 
 
 def shard_digests(data_dir: str) -> dict[str, str]:
@@ -62,13 +63,14 @@ def leftovers(workdir: Path) -> list[str]:
     return sorted(str(path) for pattern in patterns for path in workdir.glob(pattern))
 
 
-def assert_consistent(workdir: Path) -> dict:
+def assert_consistent(workdir: Path) -> PipelineSummary:
     """The end state every finished workdir must have: registry one-to-one with exports, a complete champion."""
     summary = summary_of(workdir)
     exports = sorted(str(path) for path in (workdir / "export" / "cifar10").iterdir() if path.name.isdigit())
-    versions = registry_versions(summary["tracking_uri"])
+    tracking_uri = summary.training.tracking_uri
+    versions = registry_versions(tracking_uri)
     assert sorted(versions.values()) == exports and len(set(versions.values())) == len(versions)
-    client = mlflow.MlflowClient(tracking_uri=summary["tracking_uri"], registry_uri=summary["tracking_uri"])
+    client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     champion = client.get_model_version_by_alias("cifar10", "champion")
     assert Path(versions[int(champion.version)], "saved_model.pb").is_file()
     assert leftovers(workdir) == []
@@ -114,17 +116,18 @@ def test_the_memory_estimate_refuses_what_cannot_fit_and_says_how_much():
 
 @pytest.fixture(scope="module")
 def three_at_once(python_archive, tmp_path_factory) -> tuple[Path, list[tuple[subprocess.Popen, str]]]:
-    """Three pipelines started at once on a new workdir: their workdir, processes and stderr."""
+    """Three pipelines started at once on a new workdir: their workdir, processes and terminal output."""
     tmp_path = tmp_path_factory.mktemp("three-at-once")
     workdir = tmp_path / "workdir"
-    # Two identical commands (one run folder, one export) and a third training into its own folder.
-    extras = [(), (), ("--set", "train.run_name=b")]
+    # Two identical commands (one run folder, one export) and a third training into its own folder,
+    # with MLflow's system metrics (whose monitor has lines of its own).
+    extras = [(), (), ("--set", "train.run_name=b", "--set", "tracking.system_metrics=true")]
     processes = [subprocess.Popen(command(python_archive, workdir, *extra), cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True,
                                   env=prefect_env(tmp_path / "prefect-home"))
                  for extra in extras]  # fmt: skip
     outputs = [process.communicate(timeout=600) for process in processes]
-    return workdir, [(process, stderr) for process, (_, stderr) in zip(processes, outputs)]
+    return workdir, [(process, stdout + stderr) for process, (stdout, stderr) in zip(processes, outputs)]
 
 
 def test_three_pipelines_started_at_once_on_a_new_workdir_all_finish(three_at_once):
@@ -132,15 +135,33 @@ def test_three_pipelines_started_at_once_on_a_new_workdir_all_finish(three_at_on
     for process, stderr in finished:
         assert process.returncode == 0, stderr[-4000:]
     summary = assert_consistent(workdir)
-    database = Path(summary["tracking_uri"].removeprefix("sqlite:///"))
+    database = Path(summary.training.tracking_uri.removeprefix("sqlite:///"))
     with sqlite3.connect(database) as connection:
         assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
-    runs = mlflow.MlflowClient(tracking_uri=summary["tracking_uri"]).search_runs(["1"])
+    runs = mlflow.MlflowClient(tracking_uri=summary.training.tracking_uri).search_runs(["1"])
     assert sorted(run.info.run_name for run in runs)[0] == "b" and len(runs) == 2  # One run per training folder.
-    assert [path.name for path in (workdir / "data").glob("cifar10-*")] == [Path(summary["data_dir"]).name]
+    assert [path.name for path in (workdir / "data").glob("cifar10-*")] == [Path(summary.data.data_dir).name]
     assert len(list((workdir / "data" / "snapshots").glob("*.json"))) == 2  # The base snapshot and `latest`.
     # Each run keeps its own summary beside the workdir's latest one.
     assert len(list(workdir.glob("runs/*/summary.json"))) == 2
+
+
+MLFLOW_OWN_LINES = (  # What MLflow itself says on a new workdir: database set-up, system metrics, registration.
+    "INFO mlflow.store.db.utils: Creating initial MLflow database tables",
+    "INFO mlflow.store.db.utils: Updating database tables",
+    "INFO mlflow.system_metrics.system_metrics_monitor: Skip logging GPU metrics",
+    "INFO mlflow.system_metrics.system_metrics_monitor: Started monitoring system metrics.",
+    "INFO mlflow.pyfunc: Validating input example against model signature",
+)
+
+
+def test_mlflows_own_lines_go_to_the_log_file_not_the_terminal(three_at_once):
+    workdir, finished = three_at_once
+    for _, terminal in finished:
+        assert not [line for line in MLFLOW_OWN_LINES if line.split(": ")[1] in terminal], terminal[-4000:]
+        assert "Downloading artifacts" not in terminal  # MLflow's progress bar: off (CIFAR_VERBOSE=1 shows it).
+    logs = "".join(path.read_text() for path in (workdir / "logs").glob("pipeline-*.log"))
+    assert [line for line in MLFLOW_OWN_LINES if line in logs] == list(MLFLOW_OWN_LINES)
 
 
 # Kills: SIGKILL of the whole process group inside each stage, then a re-run.
@@ -151,7 +172,7 @@ def test_temporary_prefect_servers_started_at_once_on_a_new_prefect_home_do_not_
     # types unless the memo store says it was done: started together on a new PREFECT_HOME, they inserted
     # the same rows and one exited (`UNIQUE constraint failed: block_type.slug`). The CLI does it first.
     env = prefect_env(tmp_path / "prefect-home")
-    prepare = [sys.executable, "-c", "from flows.cli import prepare_ephemeral_database as p; p()"]
+    prepare = [sys.executable, "-c", "from flows.runtime import prepare_ephemeral_database as p; p()"]
     preparing = [subprocess.Popen(prepare, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     assert all(process.wait(timeout=300) == 0 for process in preparing), [p.stderr.read() for p in preparing]
     home = tmp_path / "prefect-home"
@@ -183,19 +204,21 @@ def test_a_run_killed_inside_each_stage_in_turn_ends_as_a_clean_run_does(python_
     assert final.returncode == 0, final.stderr[-4000:]
     summary = assert_consistent(workdir)
 
-    assert shard_digests(summary["data_dir"]) == shard_digests(clean["data_dir"])
-    assert Path(summary["data_dir"]).name == Path(clean["data_dir"]).name
-    client = mlflow.MlflowClient(tracking_uri=summary["tracking_uri"])
+    assert shard_digests(summary.data.data_dir) == shard_digests(clean.data.data_dir)
+    assert Path(summary.data.data_dir).name == Path(clean.data.data_dir).name
+    training = summary.training
+    client = mlflow.MlflowClient(tracking_uri=training.tracking_uri)
     for metric in ("loss", "accuracy", "val_accuracy"):  # Each epoch's metrics once, none lost.
-        assert sorted(entry.step for entry in client.get_metric_history(summary["mlflow_run_id"], metric)) == [1, 2]
-    assert json.loads(Path(summary["run_dir"], "history.json").read_text())["epoch"] == [1, 2]
-    assert summary["export_version"] == 1 and summary["registered_model_version"] == 1 and summary["champion"]
+        assert sorted(entry.step for entry in client.get_metric_history(training.mlflow_run_id, metric)) == [1, 2]
+    assert json.loads(Path(training.run_dir, "history.json").read_text())["epoch"] == [1, 2]
+    promotion = summary.promotion
+    assert summary.export.version == 1 and promotion.registered_model_version == 1 and promotion.champion
 
     # Without Prefect's records (a new worker machine, say) the library finds every stage's work again.
     shutil.rmtree(workdir / "prefect-results")
     again = run(python_archive, workdir)
     assert again.returncode == 0, again.stderr[-4000:]
-    assert summary_of(workdir)["task_states"] == {
+    assert summary_of(workdir).task_states == {
         "download": "Completed",
         "snapshot": "Completed",
         "prepare": "Reused",
@@ -205,7 +228,7 @@ def test_a_run_killed_inside_each_stage_in_turn_ends_as_a_clean_run_does(python_
         "export": "Reused",
         "register": "Reused",
     }
-    assert assert_consistent(workdir)["registered_model_version"] == 1
+    assert assert_consistent(workdir).promotion.registered_model_version == 1
 
 
 def test_a_pipeline_process_killed_alone_leaves_no_process_behind(python_archive, tmp_path):

@@ -20,6 +20,7 @@ computed on the second core while the shards are written and kept for every late
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
@@ -182,8 +183,16 @@ def _build(
         report("convert", written / total)
 
     with ThreadPoolExecutor(max_workers=1) as executor:
-        # The archive's analysis (numpy and BLAS, which release the GIL) runs on the other core.
-        analysis = executor.submit(base_analysis, workdir, archive.sha256, dataset, config.near_duplicate_similarity)
+        # The archive's analysis (numpy and BLAS, which release the GIL) runs on the other core, in this
+        # thread's context: its log lines belong to the caller's run (Prefect finds the flow run there).
+        analysis = executor.submit(
+            contextvars.copy_context().run,
+            base_analysis,
+            workdir,
+            archive.sha256,
+            dataset,
+            config.near_duplicate_similarity,
+        )
         plan = SnapshotPlan(snapshot=snapshot.key, validation_fraction=0.0)
         if parts:  # Where the added images go depends on the archive's test images: wait for its analysis.
             fraction = validation_share(config.validation_size, len(dataset.train_images))
