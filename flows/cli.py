@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cifar.config import ConfigOverrides, PipelineConfig, make_config
+from cifar.config import PRESETS, ConfigOverrides, PipelineConfig, make_config
 
 
 class ConfigError(ValueError):
@@ -90,6 +90,27 @@ def overrides_from_args(args: argparse.Namespace) -> ConfigOverrides:
     except ValidationError as error:
         raise ConfigError(describe_validation_error(error)) from None
     return overrides
+
+
+def flow_parser(script: str, description: str, example: str | None = None) -> argparse.ArgumentParser:
+    """The parser of `python flows/<script>.py`; `example` holds the arguments of the example in its epilog."""
+    epilog = f"Example: python flows/{script}.py {example}" if example else None
+    return argparse.ArgumentParser(prog=f"python flows/{script}.py", description=description, epilog=epilog)
+
+
+def add_set_argument(parser: argparse.ArgumentParser, example: str, what: str = "one config field") -> None:
+    """--set SECTION.FIELD=VALUE, repeatable: a config field over the preset's (values parse as JSON)."""
+    help_set = f"override {what}, e.g. --set {example} (repeatable; values parse as JSON)"
+    parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help=help_set)
+
+
+def add_run_arguments(
+    parser: argparse.ArgumentParser, *, preset: str, workdir: str, preset_help: str = "named set of settings"
+) -> None:
+    """What a training command starts from: the archive, the workdir (`workdir`: what goes there), the preset."""
+    add_archive_arguments(parser)
+    parser.add_argument("--workdir", default="./workdir", help=workdir)
+    parser.add_argument("--preset", default=preset, choices=sorted(PRESETS), help=preset_help)
 
 
 def add_archive_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,7 +32,7 @@ from cifar.data.snapshots import DataStore, workdir_base
 from cifar.results import ArchiveInfo
 from cifar.tracking import resolve_tracking_uri
 from cifar.workdir import downloads_dir
-from flows.cli import add_archive_arguments, overrides_from_args
+from flows.cli import add_archive_arguments, add_set_argument, flow_parser, overrides_from_args
 from tasks.validation import publish_validation
 
 DATA_ADDED_EVENT = "cifar.data.added"  # prefect.yaml's retrain trigger expects this name.
@@ -113,9 +113,8 @@ def ingest(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python flows/ingest.py",
-        description="Add labelled data to the workdir's data store as a new snapshot (Prefect flow `cifar-ingest`).",
+    parser = flow_parser(
+        "ingest", "Add labelled data to the workdir's data store as a new snapshot (Prefect flow `cifar-ingest`)."
     )
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--add", metavar="PATH", help="a CIFAR batch file, or a folder of <class>/<image> files")
@@ -124,8 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_archive_arguments(parser)
     parser.add_argument("--workdir", default="./workdir", help="the workdir whose data store to change")
     parser.add_argument("--resize", choices=RESIZE_METHODS, help="resize images of another size (recorded)")
-    help_set = "override one config field, e.g. --set validate.enforce=false (repeatable; values parse as JSON)"
-    parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE", help=help_set)
+    add_set_argument(parser, "validate.enforce=false")
     return parser
 
 

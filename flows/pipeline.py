@@ -24,11 +24,11 @@ from prefect import flow
 from prefect.states import Completed, State
 
 from cifar import failpoints
-from cifar.config import PRESETS, STAGES, ConfigOverrides, Stage, resolve_workdir
+from cifar.config import STAGES, ConfigOverrides, Stage, resolve_workdir
 from cifar.preflight import check_request
 from cifar.summary import MlflowRunLink, PipelineSummary
 from cifar.tracking import run_label
-from flows.cli import add_archive_arguments, config_from_args
+from flows.cli import add_run_arguments, add_set_argument, config_from_args, flow_parser
 from tasks.artifacts import publish_report, write_summary
 from tasks.caching import result_storage
 from tasks.data import download_archive, prepare_dataset, resolve_snapshot
@@ -129,23 +129,19 @@ def cifar_pipeline(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python flows/pipeline.py",
-        description="CIFAR-10 from the raw archive to a served model (Prefect flow `cifar`).",
-        epilog="Example: python flows/pipeline.py --source cifar-10-python.tar.gz --preset smoke "
-        "--set train.epochs=3 --until evaluate",
+    parser = flow_parser(
+        "pipeline",
+        "CIFAR-10 from the raw archive to a served model (Prefect flow `cifar`).",
+        "--source cifar-10-python.tar.gz --preset smoke --set train.epochs=3 --until evaluate",
     )
+    add_run_arguments(parser, preset="default", workdir="where data, runs, exports and summary.json go")
     add = parser.add_argument
-    add_archive_arguments(parser)
-    add("--workdir", default="./workdir", help="where data, runs, exports and summary.json go")
-    add("--preset", default="default", choices=sorted(PRESETS), help="named set of settings")
     add("--until", default="export", choices=STAGES, help="last stage to run (export includes registering)")
     add("--refresh", action="store_true", help="recompute every stage, even where finished work exists")
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument("--resume", action="store_true", help="continue the training run (the default)")
     resume.add_argument("--fresh", action="store_true", help="discard the run's checkpoints (train.resume=false)")
-    help_set = "override one config field, e.g. --set train.epochs=3 (repeatable; values parse as JSON)"
-    add("--set", action="append", metavar="SECTION.FIELD=VALUE", help=help_set)
+    add_set_argument(parser, "train.epochs=3")
     return parser
 
 

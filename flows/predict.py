@@ -32,7 +32,7 @@ from cifar.predict import DEFAULT_MODEL, KIND_NAMES, PredictionResult, open_sour
 from cifar.predict import predict as predict_images
 from cifar.summary import MlflowRunLink
 from cifar.tracking import resolve_tracking_uri
-from flows.cli import overrides_from_args
+from flows.cli import add_set_argument, flow_parser, overrides_from_args
 from tasks.artifacts import ProgressReporter
 
 DRIFT_EVENT = "cifar.drift.detected"  # prefect.yaml's drift trigger on the nightly retrain expects this name.
@@ -197,11 +197,10 @@ def predict(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python flows/predict.py",
-        description="Score unlabelled images with a registered model and judge their drift (Prefect flow "
-        "`cifar-predict`).",
-        epilog="Example: python flows/predict.py --input /tmp/cifar-10-batches-py/test_batch --workdir workdir",
+    parser = flow_parser(
+        "predict",
+        "Score unlabelled images with a registered model and judge their drift (Prefect flow `cifar-predict`).",
+        "--input /tmp/cifar-10-batches-py/test_batch --workdir workdir",
     )
     add = parser.add_argument
     kinds = "a folder of PNG/JPEG files, a CIFAR batch file, a .npy uint8 array (N, 32, 32, 3), or .tfrecord shards"
@@ -209,8 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default=DEFAULT_MODEL, help=f"models:/<name>@<alias> or models:/<name>/<version> ({DEFAULT_MODEL})")
     add("--workdir", default="./workdir", help="where predictions/ goes; its MLflow store unless MLFLOW_TRACKING_URI")
     add("--resize", choices=RESIZE_METHODS, help="resize images of another size with this method (recorded)")
-    help_set = "override one config field, e.g. --set monitor.max_image_drift=0.1 (repeatable; values parse as JSON)"
-    add("--set", action="append", metavar="SECTION.FIELD=VALUE", help=help_set)
+    add_set_argument(parser, "monitor.max_image_drift=0.1")
     return parser
 
 

@@ -25,6 +25,7 @@ from prefect.artifacts import create_markdown_artifact
 from cifar.config import TrackingConfig, resolve_workdir
 from cifar.registry import promote_by_hand
 from cifar.tracking import resolve_tracking_uri
+from flows.cli import flow_parser
 
 
 @flow(name="cifar-promote", log_prints=True)
@@ -52,7 +53,7 @@ def promote(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python flows/promote.py", description=__doc__.split("\n\n")[0])
+    parser = flow_parser("promote", __doc__.split("\n\n")[0])
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--version", type=int, help="the registered version to make champion")
     which.add_argument("--rollback", action="store_true", help="back to the champion before the current one")

@@ -29,7 +29,7 @@ from cifar.results import ArchiveInfo, RetrainPlan
 from cifar.retraining import plan_retrain
 from cifar.summary import PipelineSummary
 from cifar.tracking import resolve_tracking_uri
-from flows.cli import add_archive_arguments, config_from_args
+from flows.cli import add_run_arguments, add_set_argument, config_from_args, flow_parser
 from flows.pipeline import cifar_pipeline
 from tasks.artifacts import write_summary
 from tasks.data import download_archive
@@ -113,12 +113,10 @@ def retrain(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python flows/retrain.py", description="Retrain when something changed.")
-    add_archive_arguments(parser)
-    parser.add_argument("--workdir", default="./workdir")
-    parser.add_argument("--preset", default="full")
+    parser = flow_parser("retrain", "Retrain when something changed.")
+    add_run_arguments(parser, preset="full", workdir="the workdir to retrain on")
     parser.add_argument("--force", action="store_true", help="retrain even when nothing changed (a new seed)")
-    parser.add_argument("--set", action="append", metavar="SECTION.FIELD=VALUE")
+    add_set_argument(parser, "train.epochs=3")
     parser.set_defaults(fresh=False)
     return parser
 

@@ -14,7 +14,7 @@ import copy
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from uuid import UUID
@@ -29,13 +29,13 @@ from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 from pydantic import Field, ValidationError
 
-from cifar.config import PRESETS, ConfigOverrides, PipelineConfig, TrialLink, resolve_workdir
+from cifar.config import ConfigOverrides, PipelineConfig, TrialLink, resolve_workdir
 from cifar.preflight import check_request
 from cifar.search import results as search_results
 from cifar.search import study as studies
 from cifar.search.space import OBJECTIVE, SPACE_PRESETS, SearchSpace, load_space
 from cifar.tracking import mlflow_client, resolve_tracking_uri
-from flows.cli import add_archive_arguments, config_from_args, describe_validation_error
+from flows.cli import add_run_arguments, add_set_argument, config_from_args, describe_validation_error, flow_parser
 from flows.local_pool import local_work_pool
 from tasks.search import attach_trial_run, close_search, open_search_run, open_study, registered_version
 
@@ -101,6 +101,16 @@ class TrialDispatcher:
             number, _ = studies.ask_trial(self.study, self.space)
             self.dispatch(number)
 
+    def run(self, target: int, parallel: int) -> Iterator[int]:
+        """Keeps trials in flight until `target` have finished; yields each trial whose flow run ended."""
+        self.adopt_running()
+        while True:
+            self.fill(target, parallel)
+            if not self.in_flight:
+                return
+            time.sleep(POLL_SECONDS)
+            yield from self.reap()
+
     def reap(self) -> list[int]:
         """The trials whose flow run ended since the last look; a run that died before telling fails its trial."""
         ended = []
@@ -156,6 +166,19 @@ def evaluate_best(
     return outcome
 
 
+def record_best(
+    summary: dict[str, Any], outcome: dict[str, Any], workdir: str, tracking_uri: str, parent_run_id: str
+) -> None:
+    """The best trial's evaluation in search-summary.json and on the MLflow parent run."""
+    summary["best"] |= outcome
+    search_results.write_summary(summary, workdir)
+    client = mlflow_client(tracking_uri)
+    if outcome.get("test_accuracy") is not None:
+        client.log_metric(parent_run_id, "best_test_accuracy", outcome["test_accuracy"])
+    if outcome.get("registered_model_version") is not None:
+        client.set_tag(parent_run_id, "best_registered_version", str(outcome["registered_model_version"]))
+
+
 @flow(name="cifar-search", log_prints=True)
 def cifar_search(
     config: ConfigOverrides = ConfigOverrides(preset="smoke"),
@@ -197,34 +220,21 @@ def cifar_search(
     dispatcher = TrialDispatcher(
         study, search_space, base=base, workdir=workdir, storage=storage, deployment=deployment
     )
-    dispatcher.adopt_running()
-    while True:
-        dispatcher.fill(target, parallel)
-        if not dispatcher.in_flight:
-            break
-        time.sleep(POLL_SECONDS)
-        for number in dispatcher.reap():
-            row = search_results.trial_row(study.trials[number])
-            print(f"Trial {number} {row['state']}: {OBJECTIVE} {row['value']} after {row['epochs_reported']} epochs")
-            attach_trial_run(tracking_uri, parent_run_id, study_name, row)
+    for number in dispatcher.run(target, parallel):
+        row = search_results.trial_row(study.trials[number])
+        print(f"Trial {number} {row['state']}: {OBJECTIVE} {row['value']} after {row['epochs_reported']} epochs")
+        attach_trial_run(tracking_uri, parent_run_id, study_name, row)
     for row in search_results.trial_rows(study):  # Every child nested, also those of an earlier attempt.
         attach_trial_run(tracking_uri, parent_run_id, study_name, row)
 
     extra = {"preset": resolved.preset, "space": search_space.model_dump(mode="json"), "until": until}
     extra |= {"trials_requested": target, "parallel": parallel, "deployment": deployment, "workdir": workdir}
     summary = close_search(study, workdir, tracking_uri, parent_run_id, storage, extra)
-    best = summary["best"]
-    if best and until != "train":
+    if summary["best"] and until != "train":
         outcome = evaluate_best(
-            best, base=base, workdir=workdir, until=until, deployment=deployment, tracking_uri=tracking_uri
+            summary["best"], base=base, workdir=workdir, until=until, deployment=deployment, tracking_uri=tracking_uri
         )
-        summary["best"] |= outcome
-        search_results.write_summary(summary, workdir)
-        client = mlflow_client(tracking_uri)
-        if outcome.get("test_accuracy") is not None:
-            client.log_metric(parent_run_id, "best_test_accuracy", outcome["test_accuracy"])
-        if outcome.get("registered_model_version") is not None:
-            client.set_tag(parent_run_id, "best_registered_version", str(outcome["registered_model_version"]))
+        record_best(summary, outcome, workdir, tracking_uri, parent_run_id)
     print(format_search(summary))
     return summary
 
@@ -249,16 +259,18 @@ def format_search(summary: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python flows/search.py",
-        description="Hyperparameter search over the CIFAR-10 pipeline (Prefect flow `cifar-search`, Optuna).",
-        epilog="Example: python flows/search.py --source cifar-10-python.tar.gz --sha256 HEX --preset smoke "
-        "--trials 8 --parallel 2",
+    parser = flow_parser(
+        "search",
+        "Hyperparameter search over the CIFAR-10 pipeline (Prefect flow `cifar-search`, Optuna).",
+        "--source cifar-10-python.tar.gz --sha256 HEX --preset smoke --trials 8 --parallel 2",
+    )
+    add_run_arguments(
+        parser,
+        preset="smoke",
+        workdir="where data, runs, the study and search-summary.json go",
+        preset_help="the pipeline preset every trial starts from",
     )
     add = parser.add_argument
-    add_archive_arguments(parser)
-    add("--workdir", default="./workdir", help="where data, runs, the study and search-summary.json go")
-    add("--preset", default="smoke", choices=sorted(PRESETS), help="the pipeline preset every trial starts from")
     presets = ", ".join(sorted(SPACE_PRESETS))
     add("--space", default="smoke", help=f"search space: a preset ({presets}) or a JSON/YAML file")
     add("--trials", type=int, default=8, help="trials the study should reach (finished ones count after a restart)")
@@ -268,8 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--storage", help="the study's store: a journal file or a database URL (default: CIFAR_SEARCH_STORAGE, "
         "else WORKDIR/search/<study>.journal)")  # fmt: skip
     add("--deployment", default=TRIAL_DEPLOYMENT, help="the `cifar` deployment trials run as (with a server)")
-    help_set = "override one config field of every trial, e.g. --set train.steps_per_epoch=20 (repeatable)"
-    add("--set", action="append", metavar="SECTION.FIELD=VALUE", help=help_set)
+    add_set_argument(parser, "train.steps_per_epoch=20", "one config field of every trial")
     parser.set_defaults(fresh=False)  # config_from_args reads it; a search never discards runs.
     return parser
 

@@ -26,6 +26,7 @@ from prefect.runtime import flow_run
 from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir
 from cifar.summary import PipelineSummary
 from cifar.tracking import mark_failed, resolve_tracking_uri, run_label
+from flows.cli import flow_parser
 from flows.pipeline import cifar_pipeline
 from tasks.sweep import attach_child_run, close_sweep_run, open_sweep_run
 
@@ -134,7 +135,7 @@ def check(args: argparse.Namespace) -> Request:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python flows/sweep.py", description=__doc__.split("\n\n")[0])
+    parser = flow_parser("sweep", __doc__.split("\n\n")[0])
     return run_command("sweep", parser, check, argv)
 
 
