@@ -4,7 +4,7 @@
                             [--set monitor.max_image_drift=0.1]
     prefect deployment run cifar-predict/predict -p input=/data/incoming
 
-Inputs, outputs, reuse and the drift checks: README "Batch prediction" and docs/BATCH_INFERENCE.md.
+Inputs, outputs, reuse and the drift checks: README "Batch inference and monitoring", docs/BATCH_INFERENCE.md.
 """
 
 from __future__ import annotations
