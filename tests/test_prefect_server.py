@@ -219,9 +219,9 @@ def test_crash_mid_training_fails_the_run_and_the_rerun_resumes(stack, python_ar
     parameters = smoke_parameters(python_archive, workdir, tracking_uri, run_name="crash-drill")
     parameters["until"] = "train"
 
-    crashed = wait_for(stack, run_deployment(stack, "cifar/smoke", parameters, {"CIFAR_FAULT_AFTER_EPOCH": "1"}))
+    crashed = wait_for(stack, run_deployment(stack, "cifar/smoke", parameters, {"CIFAR_RAISE_AT": "train.reported:1"}))
     assert crashed["state"]["type"] == "FAILED", crashed["state"]
-    assert "CIFAR_FAULT_AFTER_EPOCH=1" in crashed["state"]["message"], crashed["state"]["message"]
+    assert "CIFAR_RAISE_AT=train.reported:1" in crashed["state"]["message"], crashed["state"]["message"]
     checkpoint_dir = workdir / "runs" / "crash-drill" / "checkpoints"
     first_epoch = checkpoint_dir / "epoch-0001.keras"
     assert first_epoch.is_file() and not (checkpoint_dir / "epoch-0002.keras").exists()
