@@ -36,15 +36,15 @@ from prefect.events import emit_event  # noqa: E402
 from cifar.champion import find_champion  # noqa: E402
 from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir  # noqa: E402
 from cifar.data.additions import RESIZE_METHODS  # noqa: E402
-from cifar.data.checks import DataValidationError  # noqa: E402
 from cifar.data.download import fetch_archive  # noqa: E402
+from cifar.data.gate_checks import DataValidationError  # noqa: E402
 from cifar.data.ingest import IngestResult, describe_snapshots, ingest_addition, remove_addition  # noqa: E402
 from cifar.data.snapshots import DataStore, workdir_base  # noqa: E402
 from cifar.results import ArchiveInfo  # noqa: E402
 from cifar.tracking import resolve_tracking_uri  # noqa: E402
 from cifar.workdir import downloads_dir  # noqa: E402
 from flows.pipeline import dry_run_plan  # noqa: E402
-from tasks.validation import publish_validation  # noqa: E402
+from tasks.data_gate import publish_validation  # noqa: E402
 
 DATA_ADDED_EVENT = "cifar.data.added"  # prefect.yaml's retrain trigger expects this name.
 ResizeMethod = Literal["bilinear", "bicubic", "lanczos", "box", "nearest"]

@@ -38,10 +38,10 @@ from cifar.preflight import check_request  # noqa: E402
 from tasks.artifacts import format_summary, mlflow_run_link, publish_report, write_summary  # noqa: E402
 from tasks.caching import result_storage  # noqa: E402
 from tasks.data import download_archive, prepare_dataset, resolve_snapshot  # noqa: E402
+from tasks.data_gate import log_validation, validate_data  # noqa: E402
 from tasks.evaluation import evaluate_model, export_model, register_model  # noqa: E402
 from tasks.search import finish_trial, start_trial  # noqa: E402
 from tasks.training import train_model  # noqa: E402
-from tasks.validation import log_validation, validate_data  # noqa: E402
 
 
 class Stages:

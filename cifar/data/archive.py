@@ -1,24 +1,8 @@
 """Reading the CIFAR-10 archive safely: member checks, safe extraction, a restricted unpickler, both layouts.
 
-The archive comes from the internet, so nothing in it is trusted:
-
-- every tar member is checked before its bytes are used (`check_member`): no absolute paths, no `..`,
-  only regular files and directories (no symlinks, hardlinks, devices or fifos), no absurd sizes;
-- the python layout's pickles are loaded with `RestrictedUnpickler`, which can build numpy arrays and
-  plain containers but cannot import or call anything else, so a crafted pickle cannot run code;
-- a truncated or corrupt gzip stream becomes a `CorruptArchiveError` instead of a stack of zlib errors.
-
-Two official layouts are understood:
-
-- `cifar-10-batches-py/`: pickled dicts `data_batch_1..5`, `test_batch` (`data`: uint8 (N, 3072),
-  `labels`: list of ints) and `batches.meta` (`label_names`);
-- `cifar-10-batches-bin/`: `data_batch_1..5.bin`, `test_batch.bin` (records of 1 label byte and 3,072
-  pixel bytes) and `batches.meta.txt` (one class name per line).
-
-A row of 3,072 bytes is the red plane, then green, then blue (1,024 bytes each, row-major);
-`RawDataset` holds images in HWC order, the layout every later stage uses. `read_archive` reads the
-members straight from the tar into memory (one pass, no temporary files; gzip is inflated by ISA-L
-when `isal` is installed); `safe_extract` applies the same checks while writing them to a directory.
+The archive comes from the internet, so nothing in it is trusted: every member is checked before its
+bytes are used, pickles can build numpy arrays and plain containers only, and a damaged gzip stream is
+one `CorruptArchiveError` (docs/RELIABILITY.md, "Hostile archives").
 """
 
 from __future__ import annotations
@@ -38,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from cifar.data.manifest import IMAGE_BYTES
-from cifar.data.validate import InvalidDatasetError, validate_batch, validate_class_names
+from cifar.data.wellformed import InvalidDatasetError, validate_batch, validate_class_names
 from cifar.io import atomic_directory
 
 try:  # ISA-L inflates gzip about twice as fast as zlib; without it the standard library does the work.
@@ -63,6 +47,9 @@ CORRUPTION_ERRORS: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError
     (isal_zlib.error,) if isal_zlib is not None else ()
 )
 
+# The two official layouts. python: pickled dicts data_batch_1..5 and test_batch (`data`: uint8 (N, 3072),
+# `labels`: a list of ints) and batches.meta (`label_names`). binary: data_batch_1..5.bin and test_batch.bin
+# (records of 1 label byte and 3,072 pixel bytes) and batches.meta.txt (one class name per line).
 PYTHON_LAYOUT = "python"
 BINARY_LAYOUT = "binary"
 LAYOUT_DIRECTORIES = {PYTHON_LAYOUT: "cifar-10-batches-py", BINARY_LAYOUT: "cifar-10-batches-bin"}
@@ -319,7 +306,11 @@ CLASS_NAME_READERS = {PYTHON_LAYOUT: _python_class_names, BINARY_LAYOUT: _binary
 
 
 def rows_to_images(batches: list[np.ndarray]) -> np.ndarray:
-    """Official rows (R plane, G plane, B plane) -> one (N, 32, 32, 3) HWC array, in a single copy."""
+    """Official rows (R plane, G plane, B plane) -> one (N, 32, 32, 3) HWC array, in a single copy.
+
+    A row's 3,072 bytes are the red plane, then green, then blue (1,024 bytes each, row-major); every
+    later stage uses HWC order.
+    """
     total = sum(len(rows) for rows in batches)
     images = np.empty((total, 32 * 32, 3), dtype=np.uint8)
     start = 0
@@ -380,6 +371,8 @@ def parse_layout(files: Mapping[str, bytes], layout: str, *, all_batches: bool =
 
 def read_archive(archive_path: str | Path, *, all_batches: bool = True) -> RawDataset:
     """Reads a CIFAR-10 archive in either official layout straight from the tar, checking every member.
+
+    One pass, into memory, no temporary files; `safe_extract` applies the same checks writing to a folder.
 
     `all_batches=False` accepts an archive that lacks some training batches (`parse_layout`).
     """
