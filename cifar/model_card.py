@@ -1,20 +1,9 @@
 """A model card for every registered version: what it is for, what it learnt from, how good it is, where it is weak.
 
-Written by the register stage, in Markdown and HTML, after the gate has judged the version:
-
-1. intended use and the input contract;
-2. the data: the snapshot (its archive and additions), the examples per split, the known caveats (the
-   share of test images decoded from JPEG when a provenance file lies beside the archive, and the test
-   images with a near-duplicate in the training batches);
-3. training: the config that shaped the model, the training key, the code version;
-4. evaluation: test accuracy (with and without the near-duplicated test images), per-class precision
-   and recall, the confusion matrix, the `new_data` slice;
-5. robustness: accuracy on the test split under standard perturbations, one severity each, made with
-   TensorFlow's image ops (Gaussian noise, blur, brightness, contrast, JPEG quality 50);
-6. the gate's comparison with the champion of the day.
-
-The card lies in WORKDIR/model_cards/<model>/v<version>/ and in the version's run
-(`model_card/model_card.html`), linked from the version's description.
+Written by the register stage in Markdown and HTML after the gate has judged the version: intended use,
+the data and its caveats, training, evaluation, robustness under standard perturbations, the gate's
+comparison. It lies in WORKDIR/model_cards/<model>/v<version>/ and in the version's run, linked from its
+description.
 """
 
 from __future__ import annotations
