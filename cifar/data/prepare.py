@@ -23,7 +23,7 @@ import numpy as np
 from cifar import failpoints, locks, plots
 from cifar.config import DataConfig, resolve_workdir
 from cifar.data.analysis import BaseAnalysis, base_analysis
-from cifar.data.archive import RawDataset, read_archive
+from cifar.data.archive import RawDataset, read_archive, validate_dataset
 from cifar.data.convert import SPLITS, convert_splits, split_dataset
 from cifar.data.download import fetch_archive
 from cifar.data.manifest import (
@@ -43,7 +43,6 @@ from cifar.data.neardup import NearDuplicates
 from cifar.data.plan import SnapshotPlan, plan_snapshot, validation_share
 from cifar.data.snapshots import DataStore, SnapshotRecord, StoredPart
 from cifar.data.stats import channel_statistics, write_class_histogram, write_statistics
-from cifar.data.wellformed import validate_dataset
 from cifar.io import atomic_directory, atomic_write_bytes, atomic_write_json, file_digest
 from cifar.results import ArchiveInfo, DataResult
 from cifar.reuse import data_key, data_settings
