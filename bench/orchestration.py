@@ -145,21 +145,6 @@ def direct_child(args) -> None:
 # Measurement.
 
 
-def prefect_env(home: Path) -> dict[str, str]:
-    """No server (ephemeral mode), an isolated Prefect home, this environment's bin first on PATH."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
-    env.update(
-        PREFECT_HOME=str(home),
-        PREFECT_PROFILES_PATH=str(home / "profiles.toml"),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_CLI_PROMPT="false",
-        TF_CPP_MIN_LOG_LEVEL="2",
-        PYTHONUNBUFFERED="1",
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    )
-    return env
-
-
 CPU_SECONDS: list[float] = []  # CPU seconds (user + system) of each command, its waited-for children included.
 
 
@@ -216,10 +201,12 @@ def flow_stage_seconds(output: str) -> dict[str, float]:
 
 
 def measure(args, scratch: Path) -> dict:
+    from harness.prefect import prefect_env  # Here: the direct variant's process imports nothing extra.
+
     config = config_for(args)
     home = scratch / "prefect-home"
     home.mkdir()
-    env = prefect_env(home)
+    env = prefect_env(home)  # No server: ephemeral mode, an isolated Prefect home.
     python = sys.executable
     archive = config.data.source
     flow_command = [
