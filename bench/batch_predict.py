@@ -1,25 +1,8 @@
 """Batch prediction (`cifar-predict`) against its floor and its alternative, side by side on the real test set.
 
-The model is the registry's champion of the bench workdir: when there is none, the `sprint` preset is
-trained and registered first through the pipeline's command line (a few minutes; reused afterwards).
-The 10,000 real test images are saved as a .npy; then, in interleaved rounds (the order rotated each
-round, so a change in machine load hits every variant alike):
-
-- batch prediction: `cifar.predict.predict` on the .npy, the path `flows/predict.py` runs (read in chunks,
-  scored with the registered pyfunc, monitoring features and answers accumulated, Parquet row groups
-  written), into a fresh predictions directory each round; the model is loaded once, before the rounds.
-  Two rates: the streaming loop alone (the result's images_per_second) and the whole job (input digest,
-  MLflow run, drift report and summary included);
-- the floor: `tf.saved_model.load` of the same SavedModel and its `serving_default` signature in a plain loop
-  over the same array, at the same batch size;
-- REST: `mlflow models serve` of the same registry version, JSON `{"inputs": ...}` in batches of 64,
-  one request at a time (the first `--rest-images` test images per round).
-
-Then, once: the Parquet's classes against the SavedModel's own, image for image; the drift verdict on the
-original and on the brightened (x1.4) test images; and, in a fresh process, the peak RSS of scoring the
-test set tiled to 100,000 images.
-
     .venv/bin/python bench/batch_predict.py --write-docs
+
+The variants, rounds and one-off checks: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations

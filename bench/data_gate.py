@@ -2,18 +2,7 @@
 
     python bench/data_gate.py [ARCHIVE] [--repeats 3] [--write-docs]
 
-Side by side in one run, interleaved, in fresh workdirs (wall seconds, median):
-
-- the data stage on the 50,000-image archive with the archive's analysis already kept (what every data
-  stage after the first costs: conversion, the plan, the statistics) against the same stage computing the
-  analysis (hashes, drift features, near-duplicates of the test images; the first data stage of an
-  archive), and the gate itself on that snapshot (no new data: every check runs on nothing);
-- a 10,000-image addition: the archive rebuilt without data_batch_5, then that batch ingested
-  (`cifar.data.ingest.ingest_addition`: read, plan, gate, store), the new snapshot's data stage, and the
-  gate on it in the data stage (`check_prepared`).
-
-It also reports how many test images have a near-duplicate in the training batches (the contact
-sheet is the data directory's near_duplicates.png) and what the gate says about the real batch.
+What it measures: METHOD below, which also opens its section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -37,6 +26,21 @@ from cifar.io import file_digests
 from cifar.results import ArchiveInfo
 
 HEADING = "## Data validation gate"
+# What is measured, the opening of its section of docs/BENCHMARKS.md.
+METHOD = """\
+Side by side in one run, interleaved, in fresh workdirs (wall seconds, median):
+
+- the data stage on the 50,000-image archive with the archive's analysis already kept (what every data
+  stage after the first costs: conversion, the plan, the statistics) against the same stage computing the
+  analysis (hashes, drift features, near-duplicates of the test images; the first data stage of an
+  archive), and the gate itself on that snapshot (no new data: every check runs on nothing);
+- a 10,000-image addition: the archive rebuilt without data_batch_5, then that batch ingested
+  (`cifar.data.ingest.ingest_addition`: read, plan, gate, store), the new snapshot's data stage, and the
+  gate on it in the data stage (`check_prepared`).
+
+It also reports how many test images have a near-duplicate in the training batches (the contact
+sheet is the data directory's near_duplicates.png) and what the gate says about the real batch.
+"""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,7 +134,7 @@ def main(argv=None) -> None:
     medians = {name: common.median(values) for name, values in times.items()}
     machine = common.machine_description(load_at_start, tensorflow=False)
     lines = [
-        __doc__.split("\n\n", 2)[2].strip(),
+        METHOD.strip(),
         "",
         f"Command: `{common.command_line('bench/data_gate.py', argv)}`",
         "",

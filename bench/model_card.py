@@ -2,11 +2,7 @@
 
     python bench/model_card.py [ARCHIVE] [--repeats 3] [--write-docs]
 
-A smoke-preset model (the tutorial CNN, 2 epochs of 60 steps) is trained once on the real archive;
-then, interleaved, the register stage registers its export (a fresh SQLite store each time) without
-the card and with it (`evaluation` given), and the card's parts are timed on their own: the
-robustness section (the 10,000 test images under five perturbations, through the SavedModel) and
-the rest (the provenance split, Markdown, HTML, files and the MLflow artifacts).
+What it measures: METHOD below, which also opens its section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -26,6 +22,14 @@ from cifar.registry import register_and_promote
 from cifar.train import train
 
 HEADING = "## Model card generation"
+# What is measured, the opening of its section of docs/BENCHMARKS.md.
+METHOD = """\
+A smoke-preset model (the tutorial CNN, 2 epochs of 60 steps) is trained once on the real archive;
+then, interleaved, the register stage registers its export (a fresh SQLite store each time) without
+the card and with it (`evaluation` given), and the card's parts are timed on their own: the
+robustness section (the 10,000 test images under five perturbations, through the SavedModel) and
+the rest (the provenance split, Markdown, HTML, files and the MLflow artifacts).
+"""
 
 
 def predictor(export_dir: str):
@@ -74,7 +78,7 @@ def main(argv=None) -> None:
     card = medians["with"] - medians["without"]
     body = "\n".join(
         [
-            __doc__.split("\n\n", 2)[2].strip(),
+            METHOD.strip(),
             "",
             f"Command: `{common.command_line('model_card.py', argv)}`",
             "",

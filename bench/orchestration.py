@@ -1,18 +1,8 @@
 """Orchestration overhead: the Prefect flow vs the same `cifar/` stage functions called directly.
 
-(a) Each timed variant is a fresh process with a fresh workdir, on the real archive, same config
-    (the `smoke` preset unless --set overrides it), interleaved repeat by repeat:
-    - flow:   `python flows/pipeline.py --preset smoke --source ARCHIVE --sha256 HEX --workdir NEW`
-              in Prefect's ephemeral mode (no PREFECT_API_URL; an isolated PREFECT_HOME whose
-              database was created by an untimed warm-up run, as for a user's ~/.prefect);
-    - direct: this script's `--direct-child NEW`: prepare_data -> train -> evaluate -> export_model ->
-              register_and_promote, the calls the tasks make, without Prefect.
-    Prefect's fixed start-up is measured separately as a trivial flow in a fresh process minus an
-    empty Python process (importing Prefect + starting and stopping the ephemeral server + one flow
-    run's bookkeeping). Flow overhead beyond start-up = flow - direct - start-up, as % of direct.
-(b) The flow command re-run on the finished workdir (every task Cached): wall seconds.
-
     .venv/bin/python bench/orchestration.py --write-docs
+
+The variants and what "overhead" subtracts: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations

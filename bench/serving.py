@@ -1,20 +1,8 @@
 """Serving speed of the exported SavedModel: throughput at batch 256 and latency at batch 1.
 
-A ResNet-20 (default) is trained briefly through `cifar.train.train` on the real prepared data
-(`steps_per_epoch` small: the weights do not matter for speed), evaluated with `cifar.evaluate.evaluate`
-and exported with `cifar.export.export_model` (the verified TF-Serving layout). The bench then loads
-the SavedModel with `tf.saved_model.load` and times, side by side in interleaved rounds:
-
-- `serving_default` with raw uint8 images (N, 32, 32, 3): what TF Serving / the MLflow pyfunc run;
-- `serving_bytes` with PNG-encoded images (decode inside the graph);
-- the same Keras model called in-process (`model(x, training=False)` in a `tf.function`), the
-  reference for the signature's overhead;
-- with --http, `mlflow models serve` of the logged pyfunc (JSON over HTTP on 127.0.0.1).
-
-Throughput = images / median seconds per call at batch 256; latency = p50/p95 of single-image calls.
-The training run is reused when it already exists in the bench workdir; each run exports a new version.
-
     .venv/bin/python bench/serving.py --write-docs
+
+The model, the variants and the measures: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations
