@@ -129,9 +129,16 @@ def start_mlflow_server(root: Path, *, port: int | None = None, timeout: float =
 
 
 def start_model_server(
-    model_uri: str, tracking_uri: str, log_path: Path, *, cwd: Path | None = None, timeout: float = 180.0
+    model_uri: str,
+    tracking_uri: str,
+    log_path: Path,
+    *,
+    cwd: Path | None = None,
+    timeout: float = 180.0,
+    **settings: str,
 ) -> ServerHandle:
-    """`mlflow models serve` of `model_uri` in this environment (one worker); returns once it answers /ping."""
+    """`mlflow models serve` of `model_uri` in this environment (one worker); returns once it answers /ping.
+    `settings`: extra environment variables (MLFLOW_* ones too)."""
     port = free_port()
     url = f"http://{HOST}:{port}"
     # The scoring server is started as `uvicorn ...` from PATH: this venv's bin goes first.
@@ -140,6 +147,7 @@ def start_model_server(
         TF_CPP_MIN_LOG_LEVEL="2",
         PYTHONUNBUFFERED="1",
         PATH=f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}",
+        **settings,
     )
     command = [str(BIN_DIR / "mlflow"), "models", "serve", "-m", model_uri, "--env-manager", "local",
                "-h", HOST, "-p", str(port), "--workers", "1"]  # fmt: skip

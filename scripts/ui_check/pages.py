@@ -136,12 +136,16 @@ def visit_prefect_flow_run_artifacts(browser: Browser, stack: Stack, context: Pa
     return browser.shoot("prefect-flow-run-smoke-artifacts")
 
 
-def visit_prefect_report(browser: Browser, stack: Stack, context: PageContext) -> Shot:
+def open_run_artifact(browser: Browser, stack: Stack, context: PageContext, label: str, key: str) -> None:
+    """The Artifacts tab of flow run `label`, then its artifact `key`."""
     browser.goto(
-        prefect_ui(stack, f"/runs/flow-run/{flow_run_id(context, 'cifar/smoke')}?tab=Artifacts"),
-        wait_for=r"(?m)^cifar-report$",
+        prefect_ui(stack, f"/runs/flow-run/{flow_run_id(context, label)}?tab=Artifacts"), wait_for=rf"(?m)^{key}$"
     )
-    open_artifact(browser, "cifar-report", context.runs["cifar/smoke"]["name"])
+    open_artifact(browser, key, context.runs[label]["name"])
+
+
+def visit_prefect_report(browser: Browser, stack: Stack, context: PageContext) -> Shot:
+    open_run_artifact(browser, stack, context, "cifar/smoke", "cifar-report")
     browser.wait_text(r"Test accuracy")
     shot = browser.shoot("prefect-smoke-report")
     # The report's links, as "link: <text> -> <href>" lines (a markdown link shows only its text).
@@ -158,11 +162,7 @@ def visit_prefect_report(browser: Browser, stack: Stack, context: PageContext) -
 
 
 def visit_prefect_sweep_table(browser: Browser, stack: Stack, context: PageContext) -> Shot:
-    browser.goto(
-        prefect_ui(stack, f"/runs/flow-run/{flow_run_id(context, 'cifar-sweep/sweep')}?tab=Artifacts"),
-        wait_for=r"(?m)^cifar-sweep$",
-    )
-    open_artifact(browser, "cifar-sweep", context.runs["cifar-sweep/sweep"]["name"])
+    open_run_artifact(browser, stack, context, "cifar-sweep/sweep", "cifar-sweep")
     browser.wait_text(r"learning_rate")
     return browser.shoot("prefect-sweep-table")
 
