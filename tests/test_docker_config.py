@@ -299,7 +299,7 @@ def test_published_ports_bind_to_loopback_only(compose):
             assert port.host_ip == "127.0.0.1", f"{name} publishes {port.target} on {port.host_ip or 'all interfaces'}"
     assert published >= 2  # Both UIs.
     # The all-interfaces address is for in-container binds only: nothing outside docker/ binds every interface.
-    for folder in ("cifar", "tasks", "flows", "scripts", "bench"):
+    for folder in ("cifar", "tasks", "flows", "harness", "scripts", "bench"):
         for path in (REPO_ROOT / folder).rglob("*"):
             if path.suffix in {".py", ".sh", ".yaml", ".yml", ".toml"}:
                 assert ALL_INTERFACES not in path.read_text(encoding="utf-8", errors="replace"), (

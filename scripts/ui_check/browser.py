@@ -14,6 +14,8 @@ MAX_PNG_BYTES = 400_000
 
 
 class Browser:
+    """One page of headless Chromium at VIEWPORT, in the light theme; screenshots go into `out`."""
+
     def __init__(self, out: Path) -> None:
         from playwright.sync_api import sync_playwright
 
