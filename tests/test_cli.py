@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from servers import REPO_ROOT
 
 from cifar.config import OFFICIAL_PYTHON_URL, PRESETS, ConfigOverrides, make_config
 from flows.cli import ConfigError, build_parser, config_from_args, parse_overrides, parse_value
+from harness import REPO_ROOT
 
 SHA256 = "ab" * 32
 

@@ -14,19 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from servers import (
-    REPO_ROOT,
-    ProcessHandle,
-    ServerHandle,
-    free_port,
-    prefect_api,
-    run_cli,
-    start_prefect_server,
-    start_worker,
-)
 
 from cifar.io import file_digest
 from cifar.reuse import STAGE_MODULES, code_version
+from harness import REPO_ROOT
+from harness.ports import free_port
+from harness.prefect import prefect_api
+from harness.processes import ProcessHandle, run_cli
+from harness.servers import ServerHandle, start_prefect_server, start_worker
 
 pytestmark = pytest.mark.integration
 
