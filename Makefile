@@ -92,13 +92,13 @@ search: setup
 OUT ?= docs/images
 ui-check: setup
 	PLAYWRIGHT_SPEC=playwright==1.65.2 bash scripts/install_browser.sh
-	$(PY) scripts/ui_check.py --out $(OUT) $(ARGS)
+	$(PY) -m scripts.ui_check --out $(OUT) $(ARGS)
 
-# docker/compose.yaml end to end (scripts/stack_check.py): builds the images, brings the stack up as a
+# docker/compose.yaml end to end (scripts/stack_check/): builds the images, brings the stack up as a
 # throwaway compose project, checks it through the containers and the servers' APIs, then removes it.
 # Installs Podman when missing; ENGINE=docker uses Docker; GPU=1 also builds the CUDA image.
 stack-check: setup
-	$(PY) scripts/stack_check.py
+	$(PY) -m scripts.stack_check
 
 clean:
 	rm -rf $(VENV) workdir .pytest_cache

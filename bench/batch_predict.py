@@ -1,25 +1,8 @@
 """Batch prediction (`cifar-predict`) against its floor and its alternative, side by side on the real test set.
 
-The model is the registry's champion of the bench workdir: when there is none, the `sprint` preset is
-trained and registered first through the pipeline's command line (a few minutes; reused afterwards).
-The 10,000 real test images are saved as a .npy; then, in interleaved rounds (the order rotated each
-round, so a change in machine load hits every variant alike):
-
-- batch prediction: `cifar.predict.predict` on the .npy, the path `flows/predict.py` runs (read in chunks,
-  scored with the registered pyfunc, monitoring features and answers accumulated, Parquet row groups
-  written), into a fresh predictions directory each round; the model is loaded once, before the rounds.
-  Two rates: the streaming loop alone (the result's images_per_second) and the whole job (input digest,
-  MLflow run, drift report and summary included);
-- the floor: `tf.saved_model.load` of the same SavedModel and its `serving_default` signature in a plain loop
-  over the same array, at the same batch size;
-- REST: `mlflow models serve` of the same registry version, JSON `{"inputs": ...}` in batches of 64,
-  one request at a time (the first `--rest-images` test images per round).
-
-Then, once: the Parquet's classes against the SavedModel's own, image for image; the drift verdict on the
-original and on the brightened (x1.4) test images; and, in a fresh process, the peak RSS of scoring the
-test set tiled to 100,000 images.
-
     .venv/bin/python bench/batch_predict.py --write-docs
+
+The variants, rounds and one-off checks: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations
@@ -32,7 +15,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
@@ -43,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
-from serving import free_port, stop_server  # noqa: E402
+
+from harness.servers import ServerHandle, start_model_server  # noqa: E402
 
 SECTION = "## Batch prediction"
 MODEL_NAME = "cifar10"
@@ -91,29 +77,11 @@ def test_images(workdir: Path) -> np.ndarray:
     return images
 
 
-def rest_server(model_uri: str, tracking_uri: str, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """`mlflow models serve` of `model_uri` on a free port, once /ping answers."""
-    import urllib.request
-
-    port = free_port()
-    mlflow_cli = Path(sys.executable).parent / "mlflow"
-    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, "PATH": f"{mlflow_cli.parent}:{os.environ['PATH']}"}
-    command = [str(mlflow_cli), "models", "serve", "-m", model_uri, "--env-manager", "local", "--host", "127.0.0.1",
-               "--port", str(port), "--workers", "1"]  # fmt: skip
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"mlflow models serve exited with {server.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(f"{url}/ping", timeout=2) as response:
-                if response.status == 200:
-                    return server, url
-        except OSError:
-            time.sleep(0.5)
-    stop_server(server)
-    raise RuntimeError(f"mlflow models serve did not answer within 300 s; see {log_path}")
+def rest_server(model_uri: str, tracking_uri: str, log_path: Path) -> ServerHandle:
+    """`mlflow models serve` of `model_uri` on a free port, once /ping answers (this run's log only)."""
+    log_path.unlink(missing_ok=True)
+    progress_bar = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"]}
+    return start_model_server(model_uri, tracking_uri, log_path, timeout=300, **progress_bar)
 
 
 def rest_classes(url: str, images: np.ndarray, batch: int) -> np.ndarray:
@@ -191,85 +159,63 @@ def cpu_details() -> str:
     return ", ".join(details)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    load_at_start = common.load_average()
-    workdir = Path(args.workdir).resolve()
-    tracking_uri, version = champion_or_train(args)
-
-    import mlflow
-    import pyarrow.parquet as pq
-    import tensorflow as tf
-
-    from cifar.export import INPUT_NAME, SERVING_SIGNATURE
-    from cifar.predict import EXPERIMENT, ScoringModel, predict, resolve_model
-    from cifar.tracking import ensure_experiment
-
-    model_uri = f"models:/{MODEL_NAME}/{version}"
-    export_dir = mlflow.MlflowClient(tracking_uri=tracking_uri).get_model_version(MODEL_NAME, str(version))
-    export_dir = export_dir.tags["export_dir"]
-    images = test_images(workdir)
+def save_inputs(images: np.ndarray, workdir: Path) -> tuple[Path, Path, Path]:
+    """A scratch folder holding the test images as a .npy and their brightened (x1.4) copy."""
     scratch = Path(tempfile.mkdtemp(prefix="batch-predict-", dir=workdir))
     original = scratch / "test.npy"
     np.save(original, images)
     bright = scratch / "test-brightened.npy"
     np.save(bright, np.clip(images.astype(np.float32) * 1.4, 0, 255).astype(np.uint8))
-    ensure_experiment(tracking_uri, workdir, EXPERIMENT)  # Its artifacts under the bench workdir, not a round's.
+    return scratch, original, bright
 
-    scoring = ScoringModel(resolve_model(model_uri, tracking_uri), tracking_uri)
-    serve = tf.saved_model.load(export_dir).signatures[SERVING_SIGNATURE]
-    server, url = rest_server(model_uri, tracking_uri, workdir / "mlflow-serve.log")
 
-    def plain_loop() -> np.ndarray:
-        return np.concatenate([
-            serve(**{INPUT_NAME: tf.constant(images[start : start + args.chunk])})["class_ids"].numpy()
-            for start in range(0, len(images), args.chunk)
-        ])  # fmt: skip
+def time_rounds(args, images: np.ndarray, rest_images: np.ndarray, plain_loop, batch_prediction, url: str):
+    """A warm-up, then `args.rounds` rounds of the three variants in an order rotated each round (a change in
+    machine load hits every variant alike): seconds per variant, the batch results, the last classes."""
+    plain_loop(), rest_classes(url, rest_images[: args.rest_batch], args.rest_batch)  # Warm-up.
+    batch_prediction(-1)
+    seconds = {"batch": [], "batch_loop": [], "plain": [], "rest": []}
+    results = []
+    variants = ["batch", "plain", "rest"]
+    for round_index in range(args.rounds):
+        shift = round_index % len(variants)
+        for variant in variants[shift:] + variants[:shift]:
+            start = time.perf_counter()
+            if variant == "batch":
+                results.append(batch_prediction(round_index))
+                seconds["batch_loop"].append(results[-1].images / results[-1].images_per_second)
+            elif variant == "plain":
+                plain_classes = plain_loop()
+            else:
+                served = rest_classes(url, rest_images, args.rest_batch)
+            seconds[variant].append(time.perf_counter() - start)
+        shown = {name: (len(rest_images) if name == "rest" else len(images)) / values[-1]
+                 for name, values in seconds.items()}  # fmt: skip
+        print(
+            f"round {round_index + 1}/{args.rounds}: batch job {shown['batch']:,.0f}, its loop "
+            f"{shown['batch_loop']:,.0f}, plain {shown['plain']:,.0f}, REST {shown['rest']:,.0f} images/s "
+            f"(load {common.load_average()})",
+            flush=True,
+        )
+    return seconds, results, plain_classes, served
 
-    def batch_prediction(round_index: int):
-        return predict(original, scratch / f"round-{round_index}", model=model_uri, tracking_uri=tracking_uri,
-                       chunk_size=args.chunk, scoring_model=scoring)  # fmt: skip
 
-    rest_images = images[: args.rest_images]
-    try:
-        plain_loop(), rest_classes(url, rest_images[: args.rest_batch], args.rest_batch)  # Warm-up.
-        batch_prediction(-1)
-        seconds = {"batch": [], "batch_loop": [], "plain": [], "rest": []}
-        results = []
-        variants = ["batch", "plain", "rest"]
-        for round_index in range(args.rounds):
-            shift = round_index % len(variants)
-            for variant in variants[shift:] + variants[:shift]:
-                start = time.perf_counter()
-                if variant == "batch":
-                    results.append(batch_prediction(round_index))
-                    seconds["batch_loop"].append(results[-1].images / results[-1].images_per_second)
-                elif variant == "plain":
-                    plain_classes = plain_loop()
-                else:
-                    served = rest_classes(url, rest_images, args.rest_batch)
-                seconds[variant].append(time.perf_counter() - start)
-            shown = {name: (len(rest_images) if name == "rest" else len(images)) / values[-1]
-                     for name, values in seconds.items()}  # fmt: skip
-            print(
-                f"round {round_index + 1}/{args.rounds}: batch job {shown['batch']:,.0f}, its loop "
-                f"{shown['batch_loop']:,.0f}, plain {shown['plain']:,.0f}, REST {shown['rest']:,.0f} images/s "
-                f"(load {common.load_average()})",
-                flush=True,
-            )
-    finally:
-        stop_server(server)
+@dataclass
+class Outputs:
+    """What the scored outputs say, checked once after the rounds."""
 
-    # The outputs, once: the Parquet against the SavedModel, REST against it too, the drift verdicts.
-    parquet_classes = pq.read_table(results[-1].predictions_path, columns=["class_id"]).column(0).to_numpy()
-    same = int(np.sum(parquet_classes == plain_classes))
-    rest_same = int(np.sum(served == plain_classes[: len(served)]))
-    calm = results[-1]
-    drifted = predict(bright, scratch / "brightened", model=model_uri, tracking_uri=tracking_uri,
-                      chunk_size=args.chunk, scoring_model=scoring)  # fmt: skip
-    large = measure_large(args, images, tracking_uri, version, scratch)
-    shutil.rmtree(scratch, ignore_errors=True)
+    same: int  # Test images whose Parquet `class_id` is the SavedModel's own class.
+    rest_same: int  # REST answers equal to the SavedModel's.
+    served: np.ndarray  # The REST answers of the last round.
+    calm: Any  # The last round's batch prediction (the original test images).
+    drifted: Any  # The brightened test images' batch prediction.
+    large: dict  # measure_large's peak RSS and timing.
 
+
+def summary_text(args, images, rest_images, seconds: dict, outputs: Outputs, version: int) -> tuple[str, str]:
+    """The table of rates and the paragraph of facts (agreement, drift verdicts, memory)."""
+    same, rest_same, served = outputs.same, outputs.rest_same, outputs.served
+    calm, drifted, large = outputs.calm, outputs.drifted, outputs.large
     rates = {
         "batch": len(images) / common.median(seconds["batch"]),
         "batch_loop": len(images) / common.median(seconds["batch_loop"]),
@@ -307,20 +253,83 @@ def main(argv: list[str] | None = None) -> None:
         f"loaded ({large['baseline'] / mib:,.0f} MiB); it took {large['seconds']:.1f} s, "
         f"{large['images'] / large['seconds']:,.0f} images/s for the whole job."
     )
+    return table, facts
+
+
+def docs_body(args, argv, load_at_start: str, version: int, rest_images, table: str, facts: str) -> str:
+    """The section of docs/BENCHMARKS.md."""
+    return (
+        f"`cifar-predict`'s scoring path against the floor it must stay near and the serving path it must beat, on "
+        f"the 10,000 real test images, with the champion of a `{args.preset}` run (registry version {version}, "
+        f"its SavedModel for the floor, `mlflow models serve` of the same version for REST). {args.rounds} rounds, "
+        "the three variants interleaved in an order rotated each round; each batch-prediction round scores "
+        "into a fresh directory (the same input is otherwise never scored twice); the model is loaded once for "
+        f"the batch path and the floor; REST is timed on {len(rest_images):,} images per round.\n\n"
+        f"Command: `{common.command_line('batch_predict.py', argv)}`\n\n"
+        f"Machine: {common.machine_description(load_at_start)} ({cpu_details()}). Note: {args.note}.\n\n"
+        f"{table}\n\n{facts}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    load_at_start = common.load_average()
+    workdir = Path(args.workdir).resolve()
+    tracking_uri, version = champion_or_train(args)
+
+    import mlflow
+    import pyarrow.parquet as pq
+    import tensorflow as tf
+
+    from cifar.export import INPUT_NAME, SERVING_SIGNATURE
+    from cifar.predict import EXPERIMENT, ScoringModel, predict, resolve_model
+    from cifar.tracking import ensure_experiment
+
+    model_uri = f"models:/{MODEL_NAME}/{version}"
+    export_dir = mlflow.MlflowClient(tracking_uri=tracking_uri).get_model_version(MODEL_NAME, str(version))
+    export_dir = export_dir.tags["export_dir"]
+    images = test_images(workdir)
+    scratch, original, bright = save_inputs(images, workdir)
+    ensure_experiment(tracking_uri, workdir, EXPERIMENT)  # Its artifacts under the bench workdir, not a round's.
+
+    scoring = ScoringModel(resolve_model(model_uri, tracking_uri), tracking_uri)
+    serve = tf.saved_model.load(export_dir).signatures[SERVING_SIGNATURE]
+    server = rest_server(model_uri, tracking_uri, workdir / "mlflow-serve.log")
+
+    def plain_loop() -> np.ndarray:
+        return np.concatenate([
+            serve(**{INPUT_NAME: tf.constant(images[start : start + args.chunk])})["class_ids"].numpy()
+            for start in range(0, len(images), args.chunk)
+        ])  # fmt: skip
+
+    def batch_prediction(round_index: int):
+        return predict(original, scratch / f"round-{round_index}", model=model_uri, tracking_uri=tracking_uri,
+                       chunk_size=args.chunk, scoring_model=scoring)  # fmt: skip
+
+    rest_images = images[: args.rest_images]
+    try:
+        seconds, results, plain_classes, served = time_rounds(
+            args, images, rest_images, plain_loop, batch_prediction, server.url
+        )
+    finally:
+        server.stop()
+
+    # The outputs, once: the Parquet against the SavedModel, REST against it too, the drift verdicts.
+    parquet_classes = pq.read_table(results[-1].predictions_path, columns=["class_id"]).column(0).to_numpy()
+    outputs = Outputs(
+        same=int(np.sum(parquet_classes == plain_classes)),
+        rest_same=int(np.sum(served == plain_classes[: len(served)])),
+        served=served,
+        calm=results[-1],
+        drifted=predict(bright, scratch / "brightened", model=model_uri, tracking_uri=tracking_uri,
+                        chunk_size=args.chunk, scoring_model=scoring),
+        large=measure_large(args, images, tracking_uri, version, scratch),
+    )  # fmt: skip
+    shutil.rmtree(scratch, ignore_errors=True)
+    table, facts = summary_text(args, images, rest_images, seconds, outputs, version)
     print(table + "\n\n" + facts)
     if args.write_docs:
-        body = (
-            f"`cifar-predict`'s scoring path against the floor it must stay near and the serving path it must beat, on "
-            f"the 10,000 real test images, with the champion of a `{args.preset}` run (registry version {version}, "
-            f"its SavedModel for the floor, `mlflow models serve` of the same version for REST). {args.rounds} rounds, "
-            "the three variants interleaved in an order rotated each round; each batch-prediction round scores "
-            "into a fresh directory (the same input is otherwise never scored twice); the model is loaded once for "
-            f"the batch path and the floor; REST is timed on {len(rest_images):,} images per round.\n\n"
-            f"Command: `{common.command_line('batch_predict.py', argv)}`\n\n"
-            f"Machine: {common.machine_description(load_at_start)} ({cpu_details()}). Note: {args.note}.\n\n"
-            f"{table}\n\n{facts}\n"
-        )
-        common.write_section(SECTION, body)
+        common.write_section(SECTION, docs_body(args, argv, load_at_start, version, rest_images, table, facts))
         print(f"wrote {common.DOCS_PATH}")
 
 

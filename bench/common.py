@@ -29,6 +29,8 @@ SHARED_NOTE = (
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from harness.digests import recorded_sha256  # noqa: E402
+
 
 def cpu_model() -> str:
     try:
@@ -70,10 +72,7 @@ def machine_description(load_at_start: str | None = None, *, tensorflow: bool = 
 
 def default_sha256(archive: Path) -> str | None:
     """The digest in `<archive>.sha256` beside the archive, else the offline archive's known one."""
-    checksum_file = archive.with_name(archive.name + ".sha256")
-    if checksum_file.is_file():
-        return checksum_file.read_text().split()[0]
-    return DEFAULT_SHA256 if archive == DEFAULT_ARCHIVE else None
+    return recorded_sha256(archive) or (DEFAULT_SHA256 if archive == DEFAULT_ARCHIVE else None)
 
 
 def prepare_bench_data(

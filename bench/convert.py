@@ -1,18 +1,8 @@
 """Data conversion, side by side: the seed's converter vs our `prepare_data`, on the real archive.
 
-- baseline: what `tutorials/image/cifar10_estimator/generate_cifar10_tfrecords.py` did: extract the
-  tar to disk, unpickle each batch, build one `tf.train.Example` per image and write three files
-  (train = data_batch_1..4, validation = data_batch_5, eval = test_batch). No checks, no hashes.
-- ours: `cifar.data.prepare.prepare_data` end to end in a fresh workdir: SHA-256 + MD5 of the
-  archive, safe in-memory read with the restricted unpickler, validation, 8 + 1 + 2 shards, SHA-256 of
-  every shard, training-split statistics, parquet files and the manifest.
-
-Both run in the same process (TensorFlow imported beforehand) with the archive already in the page
-cache, interleaved repeat by repeat so a change in machine load hits both alike. Prints a markdown
-table and, with --write-docs, replaces the "## Data conversion" section of docs/BENCHMARKS.md
-(other sections are kept).
-
     .venv/bin/python bench/convert.py ../shared/data/cifar-10-python.tar.gz --repeats 3 --write-docs
+
+What each side does and how they are timed: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations

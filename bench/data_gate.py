@@ -2,18 +2,7 @@
 
     python bench/data_gate.py [ARCHIVE] [--repeats 3] [--write-docs]
 
-Side by side in one run, interleaved, in fresh workdirs (wall seconds, median):
-
-- the data stage on the 50,000-image archive with the archive's analysis already kept (what every data
-  stage after the first costs: conversion, the plan, the statistics) against the same stage computing the
-  analysis (hashes, drift features, near-duplicates of the test images; the first data stage of an
-  archive), and the gate itself on that snapshot (no new data: every check runs on nothing);
-- a 10,000-image addition: the archive rebuilt without data_batch_5, then that batch ingested
-  (`cifar.data.ingest.ingest_addition`: read, plan, gate, store), the new snapshot's data stage, and the
-  gate on it in the data stage (`check_prepared`).
-
-It also reports how many test images have a near-duplicate in the training batches (the contact
-sheet is the data directory's near_duplicates.png) and what the gate says about the real batch.
+What it measures: METHOD below, which also opens its section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -37,6 +26,21 @@ from cifar.io import file_digests
 from cifar.results import ArchiveInfo
 
 HEADING = "## Data validation gate"
+# What is measured, the opening of its section of docs/BENCHMARKS.md.
+METHOD = """\
+Side by side in one run, interleaved, in fresh workdirs (wall seconds, median):
+
+- the data stage on the 50,000-image archive with the archive's analysis already kept (what every data
+  stage after the first costs: conversion, the plan, the statistics) against the same stage computing the
+  analysis (hashes, drift features, near-duplicates of the test images; the first data stage of an
+  archive), and the gate itself on that snapshot (no new data: every check runs on nothing);
+- a 10,000-image addition: the archive rebuilt without data_batch_5, then that batch ingested
+  (`cifar.data.ingest.ingest_addition`: read, plan, gate, store), the new snapshot's data stage, and the
+  gate on it in the data stage (`check_prepared`).
+
+It also reports how many test images have a near-duplicate in the training batches (the contact
+sheet is the data directory's near_duplicates.png) and what the gate says about the real batch.
+"""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,9 +84,8 @@ def timed(function, *args) -> tuple[float, object]:
     return time.perf_counter() - start, result
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    load_at_start = common.load_average()
+def measure(args) -> tuple[dict[str, list[float]], dict]:
+    """The timed runs (`args.repeats` of each, interleaved) in fresh workdirs: seconds per measurement, and facts."""
     root = Path(args.workdir)
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -112,25 +115,35 @@ def main(argv=None) -> None:
                 times["gate_base"].append(seconds)
                 facts["near_duplicates"] = load_manifest(data.data_dir).near_duplicate_test_images
                 facts["sheet"] = str(Path(data.data_dir) / "near_duplicates.png")
-        # The 10,000-image addition.
-        workdir = root / f"addition-{repeat}"
-        before = prepare_data(config40.data, workdir, archive40)
-        seconds, (result, _) = timed(ingest_addition, config40, batch_file, workdir, archive40, None)
-        times["ingest"].append(seconds)
-        again, _ = ingest_addition(config40, batch_file, workdir, archive40, None)  # The same batch again.
-        facts["snapshots"] = (result.previous, result.snapshot, again.changed, again.snapshot)
-        seconds, data = timed(prepare_data, config40.data, workdir, archive40)
-        times["stage_addition"].append(seconds)
-        seconds, (gate_report, _) = timed(check_prepared, config40, data.data_dir, archive40.path, workdir, None)
-        times["gate_addition"].append(seconds)
-        facts["addition"] = {check.name: (check.value, check.summary) for check in gate_report.checks}
-        old_test, new_test = (load_manifest(path).splits["test"] for path in (before.data_dir, data.data_dir))
-        facts["test_identical"] = old_test == new_test and old_test.shards[0].sha256 == new_test.shards[0].sha256
-        facts["addition_passed"] = gate_report.passed
+        measure_addition(config40, batch_file, root / f"addition-{repeat}", archive40, times, facts)
+    return times, facts
+
+
+def measure_addition(
+    config40, batch_file: Path, workdir: Path, archive40: ArchiveInfo, times: dict, facts: dict
+) -> None:
+    """The 10,000-image addition: data_batch_5 ingested into the 40,000-image archive, its data stage, the gate."""
+    before = prepare_data(config40.data, workdir, archive40)
+    seconds, (result, _) = timed(ingest_addition, config40, batch_file, workdir, archive40, None)
+    times["ingest"].append(seconds)
+    again, _ = ingest_addition(config40, batch_file, workdir, archive40, None)  # The same batch again.
+    facts["snapshots"] = (result.previous, result.snapshot, again.changed, again.snapshot)
+    seconds, data = timed(prepare_data, config40.data, workdir, archive40)
+    times["stage_addition"].append(seconds)
+    seconds, (gate_report, _) = timed(check_prepared, config40, data.data_dir, archive40.path, workdir, None)
+    times["gate_addition"].append(seconds)
+    facts["addition"] = {check.name: (check.value, check.summary) for check in gate_report.checks}
+    old_test, new_test = (load_manifest(path).splits["test"] for path in (before.data_dir, data.data_dir))
+    facts["test_identical"] = old_test == new_test and old_test.shards[0].sha256 == new_test.shards[0].sha256
+    facts["addition_passed"] = gate_report.passed
+
+
+def docs_body(args, argv, load_at_start: str, times: dict[str, list[float]], facts: dict) -> str:
+    """The section of docs/BENCHMARKS.md: the method, the table, the gate's share and its findings."""
     medians = {name: common.median(values) for name, values in times.items()}
     machine = common.machine_description(load_at_start, tensorflow=False)
     lines = [
-        __doc__.split("\n\n", 2)[2].strip(),
+        METHOD.strip(),
         "",
         f"Command: `{common.command_line('bench/data_gate.py', argv)}`",
         "",
@@ -171,7 +184,14 @@ def main(argv=None) -> None:
         f"{'byte-identical (same SHA-256s)' if facts['test_identical'] else 'DIFFERENT'}; ingesting the batch "
         f"again {'changed the snapshot' if changed_again else 'changed nothing'} (latest: {snapshot_again}).",
     ]
-    body = "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    load_at_start = common.load_average()
+    times, facts = measure(args)
+    body = docs_body(args, argv, load_at_start, times, facts)
     print(body)
     shutil.copyfile(facts["sheet"], common.REPO_ROOT / "docs" / "images" / "near-duplicates-real.png")
     if args.write_docs:

@@ -1,23 +1,9 @@
 """Input pipeline, side by side on the real data: ours vs a seed-style per-example pipeline, and ours vs
 what the model consumes.
 
-(a/b) images/s of the two pipelines alone, batch 256, same number of batches, after warm-up, timed
-      in interleaved rounds (a change in machine load hits both alike):
-      - ours: `cifar.input_pipeline.make_train_dataset` (interleaved shard readers -> cache of the
-        serialized records -> shuffle -> batch -> one `parse_example` + `decode_raw` per batch ->
-        batched stateless crop + flip as one gather -> prefetch);
-      - seed-style: TFRecordDataset -> map(parse_single_example + decode_raw + per-image
-        tf.image.random_crop of the 40x40 zero-padded image + tf.image.random_flip_left_right,
-        num_parallel_calls=AUTOTUNE) -> shuffle -> batch -> prefetch (what the cifar10_estimator did).
-      Also reports the CPU time (all threads) spent per batch, less sensitive to a shared machine.
-(c)   the pipeline's share of training time: ResNet-20 with the repo's fastest CPU settings
-      (`configure_performance(TrainConfig())`: mixed_bfloat16 where the CPU has bfloat16 math, fused
-      batch norm, no XLA), compiled like `cifar.train`, trains the same number of steps from
-      (1) batches already in memory (zero input cost), (2) our pipeline, (3) the seed-style one,
-      interleaved in rounds. Input cost = (time with the pipeline - time in memory) / time with the
-      pipeline, i.e. the fraction of an epoch that the input pipeline adds.
-
     .venv/bin/python bench/input_pipeline.py --write-docs
+
+The pipelines compared and the input cost's definition: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
-"""What the archive's JPEG-decoded images cost in test accuracy, measured two ways.
-
-The offline archive (`../shared/data/`) rebuilt CIFAR-10 from public copies: 4,593 test images carry
-the original pixels and the other 5,407 were decoded from quality-75 JPEGs; its provenance file holds
-the boolean masks. The two parts are not comparable as they stand. The first 1,000 test images are all
-original, but after them the originals are exactly the vehicle classes (airplane, automobile, ship,
-truck) and the JPEG images exactly the animal classes, which are the harder ones. So:
-
-1. Split (predictions files, `runs/<run>/evaluation/predictions.parquet`): accuracy on each part, on
-   the first 1,000 test images (original pixels, every class, in the official order), on the
-   original-pixel images of the JPEG part's classes (class-matched, but only 593 images), and the
-   class makeup of each part.
-2. Controlled (`--checkpoint`, a `.keras` checkpoint): the same model on the original-pixel test
-   images (each original-only part above) as they are and after a quality-75 JPEG round trip
-   through Pillow. That round trip is the archive's degradation: it changes the mean pixel by
-   5.8/255, the archive's figure, and re-encoding the archive's own JPEG images changes them by
-   only ~0.1/255.
+"""What the archive's JPEG-decoded images cost in test accuracy, measured two ways (split and controlled).
 
     .venv/bin/python bench/jpeg_split.py /tmp/fast*/runs/*/evaluation/predictions.parquet \
         --checkpoint /tmp/fast0/runs/*/checkpoints/epoch-0016.keras
+
+Why two ways, and what each compares: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations

@@ -2,11 +2,7 @@
 
     python bench/model_card.py [ARCHIVE] [--repeats 3] [--write-docs]
 
-A smoke-preset model (the tutorial CNN, 2 epochs of 60 steps) is trained once on the real archive;
-then, interleaved, the register stage registers its export (a fresh SQLite store each time) without
-the card and with it (`evaluation` given), and the card's parts are timed on their own: the
-robustness section (the 10,000 test images under five perturbations, through the SavedModel) and
-the rest (the provenance split, Markdown, HTML, files and the MLflow artifacts).
+What it measures: METHOD below, which also opens its section of docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -26,6 +22,14 @@ from cifar.registry import register_and_promote
 from cifar.train import train
 
 HEADING = "## Model card generation"
+# What is measured, the opening of its section of docs/BENCHMARKS.md.
+METHOD = """\
+A smoke-preset model (the tutorial CNN, 2 epochs of 60 steps) is trained once on the real archive;
+then, interleaved, the register stage registers its export (a fresh SQLite store each time) without
+the card and with it (`evaluation` given), and the card's parts are timed on their own: the
+robustness section (the 10,000 test images under five perturbations, through the SavedModel) and
+the rest (the provenance split, Markdown, HTML, files and the MLflow artifacts).
+"""
 
 
 def predictor(export_dir: str):
@@ -36,15 +40,19 @@ def predictor(export_dir: str):
     return lambda batch: serve(images=tf.constant(batch))["class_ids"].numpy()
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("archive", nargs="?", default=str(common.DEFAULT_ARCHIVE))
     parser.add_argument("--workdir", default=str(common.DEFAULT_BENCH_WORKDIR / "model-card"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--note", default=None, help="A note on the machine's state, added to the docs.")
-    args = parser.parse_args(argv)
-    load_at_start = common.load_average()
+    return parser.parse_args(argv)
+
+
+def measure(args) -> dict[str, list[float]]:
+    """A smoke model trained once, then the register stage without and with the card, interleaved, and the
+    card's robustness section alone: seconds of each run."""
     workdir = Path(args.workdir)
     data_dir = common.prepare_bench_data(args.archive, workdir)
     config = make_config("smoke", {"tracking": {"system_metrics": False}})
@@ -70,11 +78,16 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         robustness(predictor(export.export_dir), *load_split(data_dir, "test"))
         times["robustness"].append(time.perf_counter() - start)
+    return times
+
+
+def docs_body(args, argv, load_at_start: str, times: dict[str, list[float]]) -> str:
+    """The section of docs/BENCHMARKS.md: the method, the table, what the card costs."""
     medians = {name: common.median(values) for name, values in times.items()}
     card = medians["with"] - medians["without"]
-    body = "\n".join(
+    return "\n".join(
         [
-            __doc__.split("\n\n", 2)[2].strip(),
+            METHOD.strip(),
             "",
             f"Command: `{common.command_line('model_card.py', argv)}`",
             "",
@@ -95,6 +108,12 @@ def main(argv=None) -> None:
             f"{medians['robustness']:.1f} s of which is the robustness section.",
         ]
     )
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    load_at_start = common.load_average()
+    body = docs_body(args, argv, load_at_start, measure(args))
     print(body)
     if args.write_docs:
         common.write_section(HEADING, body)

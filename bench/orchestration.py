@@ -1,18 +1,8 @@
 """Orchestration overhead: the Prefect flow vs the same `cifar/` stage functions called directly.
 
-(a) Each timed variant is a fresh process with a fresh workdir, on the real archive, same config
-    (the `smoke` preset unless --set overrides it), interleaved repeat by repeat:
-    - flow:   `python flows/pipeline.py --preset smoke --source ARCHIVE --sha256 HEX --workdir NEW`
-              in Prefect's ephemeral mode (no PREFECT_API_URL; an isolated PREFECT_HOME whose
-              database was created by an untimed warm-up run, as for a user's ~/.prefect);
-    - direct: this script's `--direct-child NEW`: prepare_data -> train -> evaluate -> export_model ->
-              register_and_promote, the calls the tasks make, without Prefect.
-    Prefect's fixed start-up is measured separately as a trivial flow in a fresh process minus an
-    empty Python process (importing Prefect + starting and stopping the ephemeral server + one flow
-    run's bookkeeping). Flow overhead beyond start-up = flow - direct - start-up, as % of direct.
-(b) The flow command re-run on the finished workdir (every task Cached): wall seconds.
-
     .venv/bin/python bench/orchestration.py --write-docs
+
+The variants and what "overhead" subtracts: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations
@@ -27,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -145,21 +136,6 @@ def direct_child(args) -> None:
 # Measurement.
 
 
-def prefect_env(home: Path) -> dict[str, str]:
-    """No server (ephemeral mode), an isolated Prefect home, this environment's bin first on PATH."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
-    env.update(
-        PREFECT_HOME=str(home),
-        PREFECT_PROFILES_PATH=str(home / "profiles.toml"),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_CLI_PROMPT="false",
-        TF_CPP_MIN_LOG_LEVEL="2",
-        PYTHONUNBUFFERED="1",
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    )
-    return env
-
-
 CPU_SECONDS: list[float] = []  # CPU seconds (user + system) of each command, its waited-for children included.
 
 
@@ -216,21 +192,20 @@ def flow_stage_seconds(output: str) -> dict[str, float]:
 
 
 def measure(args, scratch: Path) -> dict:
-    from cifar.summary import PipelineSummary
+    """Every timed run: Prefect's start-up, the flow and direct variants interleaved, then the cached re-runs."""
+    from harness.prefect import prefect_env  # Here: the direct variant's process imports nothing extra.
 
     config = config_for(args)
     home = scratch / "prefect-home"
     home.mkdir()
-    env = prefect_env(home)
-    python = sys.executable
-    archive = config.data.source
+    env = prefect_env(home)  # No server: ephemeral mode, an isolated Prefect home.
     flow_command = [
-        python,
+        sys.executable,
         "flows/pipeline.py",
         "--preset",
         args.preset,
         "--source",
-        archive,
+        config.data.source,
         "--sha256",
         config.data.sha256,
         *[item for value in args.set for item in ("--set", value)],
@@ -248,7 +223,15 @@ def measure(args, scratch: Path) -> dict:
         "noop_cpu": [],
         "empty_cpu": [],
     }
+    measure_startup(args, env, scratch, results)
+    last_flow_workdir = measure_variants(args, config, flow_command, env, scratch, results)
+    measure_cached(args, flow_command, last_flow_workdir, env, scratch, results)
+    return results
 
+
+def measure_startup(args, env: dict[str, str], scratch: Path, results: dict) -> None:
+    """Prefect's fixed start-up: a trivial flow in a fresh process, and an empty Python process."""
+    python = sys.executable
     # Untimed warm-up: creates the Prefect database in the fresh home, warms the page cache; and
     # Prefect's bare per-task cost (20 trivial tasks in one flow).
     run([python, "-c", NOOP_FLOW], env, scratch / "warmup.log")
@@ -266,6 +249,11 @@ def measure(args, scratch: Path) -> dict:
             flush=True,
         )
 
+
+def measure_variants(args, config, flow_command: list[str], env: dict[str, str], scratch: Path, results: dict) -> Path:
+    """The flow and the direct variant, interleaved (order alternated); the last flow run's workdir."""
+    from cifar.summary import PipelineSummary
+
     last_flow_workdir = None
     for repeat in range(args.repeats):
         order = ("flow", "direct") if repeat % 2 == 0 else ("direct", "flow")
@@ -280,10 +268,11 @@ def measure(args, scratch: Path) -> dict:
             else:
                 child_env = {**env, "BENCH_CONFIG": config.model_dump_json()}
                 seconds, output = run(
-                    [python, str(Path(__file__).resolve()), "--preset", args.preset, "--direct-child", str(workdir)],
+                    [sys.executable, str(Path(__file__).resolve()), "--preset", args.preset, "--direct-child",
+                     str(workdir)],
                     child_env,
                     scratch / f"{name}-{repeat}.log",
-                )
+                )  # fmt: skip
                 stages_line = [line for line in output.splitlines() if line.startswith("BENCH_STAGES ")][-1]
                 results["direct_stages"].append(json.loads(stages_line.split(" ", 1)[1]))
             results[name].append(seconds)
@@ -295,14 +284,20 @@ def measure(args, scratch: Path) -> dict:
                 shutil.rmtree(workdir, ignore_errors=True)
         if repeat < args.repeats - 1 and last_flow_workdir is not None:
             shutil.rmtree(last_flow_workdir, ignore_errors=True)
+    return last_flow_workdir
+
+
+def measure_cached(
+    args, flow_command: list[str], workdir: Path, env: dict[str, str], scratch: Path, results: dict
+) -> None:
+    """The flow command re-run on the finished workdir until `cached_repeats` runs had every stage Cached."""
+    from cifar.summary import PipelineSummary
 
     attempts = 0
     while len(results["cached"]) < args.cached_repeats:
         attempts += 1
-        seconds, output = run(
-            [*flow_command, "--workdir", str(last_flow_workdir)], env, scratch / f"cached-{attempts}.log"
-        )
-        states = PipelineSummary.read(last_flow_workdir / "summary.json").task_states
+        seconds, output = run([*flow_command, "--workdir", str(workdir)], env, scratch / f"cached-{attempts}.log")
+        states = PipelineSummary.read(workdir / "summary.json").task_states
         stage_states = {name: state for name, state in states.items() if name in STAGES}
         if set(stage_states.values()) != {"Cached"}:
             # A stage's `cifar/` code changed since the run (others edit the checkout): its key changed and it
@@ -313,7 +308,6 @@ def measure(args, scratch: Path) -> dict:
             continue
         results["cached"].append(seconds)
         print(f"cached re-run {len(results['cached'])}/{args.cached_repeats}: {seconds:.1f} s", flush=True)
-    return results
 
 
 def stage_table(results: dict) -> str:
@@ -349,27 +343,37 @@ def stage_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.direct_child:
-        direct_child(args)
-        return
-    load_at_start = common.load_average()
-    scratch = Path(tempfile.mkdtemp(prefix="bench-orchestration-", dir=args.scratch))
-    try:
-        results = measure(args, scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+@dataclass(frozen=True)
+class Figures:
+    """The medians the table and the targets are made of (seconds)."""
 
-    flow, direct = common.median(results["flow"]), common.median(results["direct"])
-    startup = common.median(results["noop"]) - common.median(results["empty"])
-    overhead = flow - direct - startup
-    cached = common.median(results["cached"])
-    flow_cpu, direct_cpu = common.median(results["flow_cpu"]), common.median(results["direct_cpu"])
-    startup_cpu = common.median(results["noop_cpu"]) - common.median(results["empty_cpu"])
-    overhead_cpu = flow_cpu - direct_cpu - startup_cpu
+    flow: float
+    direct: float
+    startup: float  # The trivial flow's process less an empty Python process.
+    overhead: float  # Flow - direct - start-up.
+    cached: float
+    flow_cpu: float
+    direct_cpu: float
+    startup_cpu: float
+    overhead_cpu: float
+
+    @classmethod
+    def of(cls, results: dict) -> Figures:
+        flow, direct = common.median(results["flow"]), common.median(results["direct"])
+        startup = common.median(results["noop"]) - common.median(results["empty"])
+        flow_cpu, direct_cpu = common.median(results["flow_cpu"]), common.median(results["direct_cpu"])
+        startup_cpu = common.median(results["noop_cpu"]) - common.median(results["empty_cpu"])
+        return cls(flow, direct, startup, flow - direct - startup, common.median(results["cached"]), flow_cpu,
+                   direct_cpu, startup_cpu, flow_cpu - direct_cpu - startup_cpu)  # fmt: skip
+
+
+def results_table(results: dict, figures: Figures) -> str:
+    flow, direct, startup, overhead, cached = (figures.flow, figures.direct, figures.startup, figures.overhead,
+                                               figures.cached)  # fmt: skip
+    flow_cpu, direct_cpu, startup_cpu, overhead_cpu = (figures.flow_cpu, figures.direct_cpu, figures.startup_cpu,
+                                                       figures.overhead_cpu)  # fmt: skip
     runs = lambda values: ", ".join(f"{value:.1f}" for value in values)  # noqa: E731
-    table = "\n".join(
+    return "\n".join(
         [
             "| measurement | median wall s | runs, wall s | wall vs direct | median CPU s | CPU vs direct |",
             "|---|---:|---|---:|---:|---:|",
@@ -386,54 +390,74 @@ def main(argv: list[str] | None = None) -> None:
             f"{100 * cached / direct:.1f} % | - | - |",
         ]
     )
-    stages = stage_table(results)
-    print(table)
-    print(stages)
+
+
+def docs_body(args, argv, load_at_start: str, results: dict, figures: Figures, table: str, stages: str) -> str:
+    """The section of docs/BENCHMARKS.md: what was run, the table, the targets, where the time goes."""
+    direct, overhead, cached = figures.direct, figures.overhead, figures.cached
+    direct_cpu, overhead_cpu = figures.direct_cpu, figures.overhead_cpu
     verdict_a = "meets" if overhead / direct <= 0.02 else "misses"
     verdict_a_cpu = "meets" if overhead_cpu / direct_cpu <= 0.02 else "misses"
     verdict_b = "meets" if cached <= 20 else "misses"
     settings = f"`--preset {args.preset}`" + "".join(f" `--set {value}`" for value in args.set)
+    return (
+        f"Wall seconds of the whole pipeline ({settings} on the real archive: data preparation, training, "
+        "evaluation, verified export, registration + promotion) in a fresh process and a fresh workdir each "
+        f"run, {args.repeats} runs of each variant interleaved (order alternated). **flow** is the command "
+        "below in Prefect's ephemeral mode (no server configured; an isolated PREFECT_HOME whose database an "
+        "untimed warm-up run created, as a user's `~/.prefect` would be). **direct** runs the same stage "
+        "functions with the same config in one process (`bench/orchestration.py --direct-child`: "
+        "`prepare_data` -> `train` -> `evaluate` -> `export_model` -> `register_and_promote`). Prefect's fixed "
+        f"start-up is a trivial `@flow` in a fresh process minus an empty Python process ({args.startup_repeats} "
+        "runs each: importing Prefect, starting and stopping the temporary server, one flow run's "
+        "bookkeeping). (b) re-runs the flow command on the finished workdir, every task `Cached`. CPU s is "
+        "the user + system time of the command and of the child processes it reaped (getrusage), less "
+        "sensitive than wall time to other jobs on the machine.\n\n"
+        f"Command: `{common.command_line('orchestration.py', argv)}`; the flow command it times is "
+        f"`python flows/pipeline.py --preset {args.preset} --source ../shared/data/cifar-10-python.tar.gz "
+        "--sha256 489922dd... --workdir <fresh>`.\n\n"
+        f"Machine: {common.machine_description(load_at_start, tensorflow=False)}. Note: {args.note}; the "
+        "run-to-run spread of a whole pipeline (runs column) is of the same order as the overhead measured, "
+        "so read the overhead as +/- a few seconds.\n\n"
+        f"{table}\n\n"
+        f"Target (a): flow overhead beyond start-up <= 2 % of direct: {100 * overhead / direct:+.1f} % of "
+        f"wall time ({verdict_a} it) and {100 * overhead_cpu / direct_cpu:+.1f} % of CPU time "
+        f"({overhead_cpu:.1f} s; {verdict_a_cpu} it). "
+        f"Target (b): fully cached re-run <= 20 s: {cached:.1f} s ({verdict_b} it).\n\n"
+        "Where the time goes (median seconds; flow task times are the gaps between the log timestamps of "
+        "consecutive task ends, so a task's row includes Prefect's per-task bookkeeping and result/cache "
+        "writes; the flow's process start and imports before the server start are not in its log). The "
+        "flow imports TensorFlow lazily inside its tasks (mostly `train`), the direct run up front, so compare "
+        "the totals rather than single rows:\n\n"
+        f"{stages}\n\n"
+        f"Prefect's own cost per task run is small: {results['per_task_ms']:.0f} ms per trivial `@task` "
+        f"(20 in one flow), about {8 * results['per_task_ms'] / 1000:.2f} s for the 8 task runs of this flow "
+        "(6 stages + summary + report). The rest of the overhead beyond start-up is the `tasks/` layer around "
+        "the stage functions (cache keys over the `cifar/` sources and the input fingerprints, JSON results "
+        "and cache records written to `WORKDIR/prefect-results/`, progress artifacts, the separate download "
+        "task) plus the run-to-run noise above. None of it scales with the training work (per epoch the flow "
+        "adds one progress-artifact update), so on the default preset (30 epochs of ResNet-20, hours on "
+        "this CPU; not measured here) the same few seconds would be far below 1 %.\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.direct_child:
+        direct_child(args)
+        return
+    load_at_start = common.load_average()
+    scratch = Path(tempfile.mkdtemp(prefix="bench-orchestration-", dir=args.scratch))
+    try:
+        results = measure(args, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    figures = Figures.of(results)
+    table, stages = results_table(results, figures), stage_table(results)
+    print(table)
+    print(stages)
     if args.write_docs:
-        body = (
-            f"Wall seconds of the whole pipeline ({settings} on the real archive: data preparation, training, "
-            "evaluation, verified export, registration + promotion) in a fresh process and a fresh workdir each "
-            f"run, {args.repeats} runs of each variant interleaved (order alternated). **flow** is the command "
-            "below in Prefect's ephemeral mode (no server configured; an isolated PREFECT_HOME whose database an "
-            "untimed warm-up run created, as a user's `~/.prefect` would be). **direct** runs the same stage "
-            "functions with the same config in one process (`bench/orchestration.py --direct-child`: "
-            "`prepare_data` -> `train` -> `evaluate` -> `export_model` -> `register_and_promote`). Prefect's fixed "
-            f"start-up is a trivial `@flow` in a fresh process minus an empty Python process ({args.startup_repeats} "
-            "runs each: importing Prefect, starting and stopping the temporary server, one flow run's "
-            "bookkeeping). (b) re-runs the flow command on the finished workdir, every task `Cached`. CPU s is "
-            "the user + system time of the command and of the child processes it reaped (getrusage), less "
-            "sensitive than wall time to other jobs on the machine.\n\n"
-            f"Command: `{common.command_line('orchestration.py', argv)}`; the flow command it times is "
-            f"`python flows/pipeline.py --preset {args.preset} --source ../shared/data/cifar-10-python.tar.gz "
-            "--sha256 489922dd... --workdir <fresh>`.\n\n"
-            f"Machine: {common.machine_description(load_at_start, tensorflow=False)}. Note: {args.note}; the "
-            "run-to-run spread of a whole pipeline (runs column) is of the same order as the overhead measured, "
-            "so read the overhead as +/- a few seconds.\n\n"
-            f"{table}\n\n"
-            f"Target (a): flow overhead beyond start-up <= 2 % of direct: {100 * overhead / direct:+.1f} % of "
-            f"wall time ({verdict_a} it) and {100 * overhead_cpu / direct_cpu:+.1f} % of CPU time "
-            f"({overhead_cpu:.1f} s; {verdict_a_cpu} it). "
-            f"Target (b): fully cached re-run <= 20 s: {cached:.1f} s ({verdict_b} it).\n\n"
-            "Where the time goes (median seconds; flow task times are the gaps between the log timestamps of "
-            "consecutive task ends, so a task's row includes Prefect's per-task bookkeeping and result/cache "
-            "writes; the flow's process start and imports before the server start are not in its log). The "
-            "flow imports TensorFlow lazily inside its tasks (mostly `train`), the direct run up front, so compare "
-            "the totals rather than single rows:\n\n"
-            f"{stages}\n\n"
-            f"Prefect's own cost per task run is small: {results['per_task_ms']:.0f} ms per trivial `@task` "
-            f"(20 in one flow), about {8 * results['per_task_ms'] / 1000:.2f} s for the 8 task runs of this flow "
-            "(6 stages + summary + report). The rest of the overhead beyond start-up is the `tasks/` layer around "
-            "the stage functions (cache keys over the `cifar/` sources and the input fingerprints, JSON results "
-            "and cache records written to `WORKDIR/prefect-results/`, progress artifacts, the separate download "
-            "task) plus the run-to-run noise above. None of it scales with the training work (per epoch the flow "
-            "adds one progress-artifact update), so on the default preset (30 epochs of ResNet-20, hours on "
-            "this CPU; not measured here) the same few seconds would be far below 1 %.\n"
-        )
-        common.write_section(SECTION, body)
+        common.write_section(SECTION, docs_body(args, argv, load_at_start, results, figures, table, stages))
         print(f"wrote {common.DOCS_PATH}")
 
 

@@ -1,13 +1,10 @@
-"""Runs every benchmark in sequence (never two at once) and lets each one rewrite its own section of
-docs/BENCHMARKS.md. `make bench` calls this.
+"""Runs every benchmark in sequence (never two at once); each rewrites its own section of docs/BENCHMARKS.md.
 
-    .venv/bin/python bench/run_all.py                       # all, with --write-docs
+    .venv/bin/python bench/run_all.py                       # all, with --write-docs (`make bench`)
     .venv/bin/python bench/run_all.py --only serving orchestration
     .venv/bin/python bench/run_all.py --no-docs             # print the tables only
 
-Order: convert.py, data_gate.py, train_throughput.py, input_pipeline.py, serving.py, orchestration.py,
-search.py, model_card.py. A failing
-script is reported and the others still run; the exit status is 1 if any failed.
+A failing script is reported and the others still run; the exit status is 1 if any failed.
 """
 
 from __future__ import annotations

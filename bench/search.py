@@ -3,18 +3,7 @@
     .venv/bin/python bench/search.py                        # print the table
     .venv/bin/python bench/search.py --write-docs           # and replace its section of docs/BENCHMARKS.md
 
-Three runs of the same 8-trial search (`python flows/search.py`, no server: a temporary local pool),
-on the real archive, smoke-sized (the `bench` space below: model, learning rate and decay, 3 epochs
-of 30 steps), one after another:
-
-- `--parallel 1` with the median pruner,
-- `--parallel 2` with the median pruner (two local workers; the `training` limit is 2),
-- `--parallel 2` without pruning.
-
-Every run has its own workdir (the prepared shards hard-linked in, so no run trains or converts what
-another did) and the same seed, so all three try the same 8 settings (TPE samples its first 10 trials
-at random from the seed). Wall time is the command's, server start included; "search time" is from the
-first trial's start to the last one's end. Epochs trained are the epochs every trial reported.
+The three runs and what is timed: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations

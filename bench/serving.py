@@ -1,20 +1,8 @@
 """Serving speed of the exported SavedModel: throughput at batch 256 and latency at batch 1.
 
-A ResNet-20 (default) is trained briefly through `cifar.train.train` on the real prepared data
-(`steps_per_epoch` small: the weights do not matter for speed), evaluated with `cifar.evaluate.evaluate`
-and exported with `cifar.export.export_model` (the verified TF-Serving layout). The bench then loads
-the SavedModel with `tf.saved_model.load` and times, side by side in interleaved rounds:
-
-- `serving_default` with raw uint8 images (N, 32, 32, 3): what TF Serving / the MLflow pyfunc run;
-- `serving_bytes` with PNG-encoded images (decode inside the graph);
-- the same Keras model called in-process (`model(x, training=False)` in a `tf.function`), the
-  reference for the signature's overhead;
-- with --http, `mlflow models serve` of the logged pyfunc (JSON over HTTP on 127.0.0.1).
-
-Throughput = images / median seconds per call at batch 256; latency = p50/p95 of single-image calls.
-The training run is reused when it already exists in the bench workdir; each run exports a new version.
-
     .venv/bin/python bench/serving.py --write-docs
+
+The model, the variants and the measures: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations
@@ -22,8 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -40,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 from cifar.config import make_config  # noqa: E402
+from harness.servers import start_model_server  # noqa: E402
 
 SECTION = "## Serving"
 
@@ -171,12 +158,6 @@ def measure_in_process(variants, images: np.ndarray, png: np.ndarray, args):
 # Optional: mlflow models serve over HTTP.
 
 
-def free_port() -> int:
-    with socket.socket() as handle:
-        handle.bind(("127.0.0.1", 0))
-        return handle.getsockname()[1]
-
-
 def post(url: str, payload: bytes) -> float:
     request = urllib.request.Request(url, data=payload, headers={"Content-Type": "application/json"})
     start = time.perf_counter()
@@ -197,54 +178,13 @@ def measure_http(config, export, training, images: np.ndarray, args, data_dir) -
         tracking_uri=training.tracking_uri,
         input_example=images[:1],
     )
-    port = free_port()
-    mlflow_cli = Path(sys.executable).parent / "mlflow"
-    # The scoring server is started as `uvicorn ...` from PATH: put this environment's bin first.
-    env = {
-        **os.environ,
-        "MLFLOW_TRACKING_URI": training.tracking_uri,
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-        "PATH": f"{mlflow_cli.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
     log_path = Path(args.workdir) / "mlflow-serve.log"
+    log_path.unlink(missing_ok=True)  # This run's log only.
     start = time.perf_counter()
-    with open(log_path, "wb") as log:
-        server = subprocess.Popen(
-            [
-                str(mlflow_cli),
-                "models",
-                "serve",
-                "-m",
-                promotion.model_uri,
-                "--env-manager",
-                "local",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--workers",
-                "1",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+    server = start_model_server(promotion.model_uri, training.tracking_uri, log_path)
     try:
-        url = f"http://127.0.0.1:{port}"
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"mlflow models serve exited with {server.returncode}; see {log_path}")
-            try:
-                with urllib.request.urlopen(f"{url}/ping", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.perf_counter() - start > 180:
-                raise RuntimeError(f"mlflow models serve did not answer /ping within 180 s; see {log_path}")
-            time.sleep(0.5)
         startup = time.perf_counter() - start
+        url = server.url
 
         def payload(batch: np.ndarray) -> bytes:
             return json.dumps({"inputs": batch.tolist()}).encode()
@@ -264,21 +204,7 @@ def measure_http(config, export, training, images: np.ndarray, args, data_dir) -
             "model_uri": promotion.model_uri,
         }
     finally:
-        stop_server(server)
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    """SIGTERM to the server's own process group (its uvicorn child included), SIGKILL if it lingers."""
-    if server.poll() is not None:
-        return
-    try:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=20)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, 9)
-        server.wait(timeout=10)
+        server.stop()
 
 
 def markdown_table(batch_seconds, single_seconds, batch_size: int) -> str:

@@ -6,20 +6,7 @@
     .venv/bin/python bench/time_to_accuracy.py run --preset fast --seed 0 --set train.epochs=10 --results FILE
     .venv/bin/python bench/time_to_accuracy.py table FILE          # one row per recorded run (ablations)
 
-The sitting trains and evaluates, on the real archive, 3 seeds of each preset of a pair: `fast-sgd`
-(airbench94's recipe, the previous `fast`) and `fast` (Muon), then `sprint-sgd` and `sprint`. The
-runs of a pair alternate (old, new for seed 0; new, old for seed 1; ...) so a change in the machine's
-load hits both recipes alike; every run is a fresh process (`run` below) and a fresh run folder, and
-nothing else should run on the machine. Each finished run is one JSON line in the results file, so an
-interrupted sitting continues where it stopped (the runs already recorded are not repeated).
-`--candidate-set` applies overrides to the new recipe's runs, so a candidate is measured against the
-old recipe without editing the presets; the records and the table name each run's overrides.
-
-Measured per run: the epochs; training time, the wall time of `cifar.train.train` (whitening
-initialization, tracing, every epoch, a checkpoint per epoch and the MLflow logging, as the `train`
-task's time in a pipeline run); the median of the epochs' images/s; the test accuracy single view,
-with flip TTA and with flip + translate TTA (airbench's level 2, the figure the records report).
-The table gives mean ± std (sample std over the seeds) and the ratio of mean training times.
+The sitting, its order and what is measured per run: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Training throughput, side by side: stock Keras float32 vs ours (fused batch norm, fused GELU, bf16).
 
-Every variant trains on the same fixed uint8 batch repeated in memory (no input pipeline in the
-measurement) through `model.fit`'s compiled train step (SGD with momentum, sparse cross-entropy).
-Warm-up steps (tracing, oneDNN primitive creation) are excluded, and the timed steps of the
-variants of one model are interleaved in rounds so that a change in machine load hits all of them
-alike. Prints a markdown table and, with --write-docs, replaces the "## Training throughput"
-section of docs/BENCHMARKS.md (other sections are kept).
-
     .venv/bin/python bench/train_throughput.py --write-docs --note "shared with other jobs"
+
+How the steps are timed: docs/BENCHMARKS.md, "How each benchmark measures".
 """
 
 from __future__ import annotations

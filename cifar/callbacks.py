@@ -242,7 +242,7 @@ class EpochCheckpoint(keras.callbacks.Callback):
                 atomic_write_json(self.history_path, self.history)
             write_index(self.checkpoint_dir, self.index)
         remove_unlisted(self.checkpoint_dir, self.index)
-        failpoints.reached("train.epoch")  # Committed, not yet reported to MLflow: a resume back-fills it.
+        failpoints.reached("train.epoch", completed)  # Committed, not yet reported to MLflow: a resume back-fills it.
 
 
 class MetricsLogger(keras.callbacks.Callback):

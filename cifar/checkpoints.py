@@ -1,19 +1,8 @@
 """The run directory contract between training (writer) and evaluation/export (readers).
 
-    RUN_DIR/
-      state.json                     the stage key, the MLflow run id, the status and, once complete, the result
-      history.json                   one value per completed epoch and metric
-      training_curves.png
-      checkpoints/
-        epoch-0007.keras             full model + optimizer state after epoch 7 (what resume loads)
-        epoch-0007.eval.weights.h5   the weights to evaluate: the EMA weights when EMA is on, else the same
-        index.json                   every kept checkpoint with its validation metrics, and the best one
-
-Each epoch, both files are written under a temp name (`.tmp-*`) and renamed into place, then
-history.json, then index.json: the commit point, so an epoch counts once the index lists it and
-a reader never sees an entry whose files are missing. Training keeps the last K epochs plus the
-best by validation accuracy (never chosen on test). A run is reusable once state.json says
-`completed` under the same key.
+Layout below (file names) and in docs/ARCHITECTURE.md ("Run directory and checkpoint contract").
+index.json is each epoch's commit point: an epoch counts once the index lists it, so a reader never
+sees an entry whose files are missing; a run is reusable once state.json says `completed` under its key.
 """
 
 from __future__ import annotations
@@ -30,11 +19,12 @@ from pydantic import BaseModel, ConfigDict
 from cifar.io import atomic_write_json, file_digest, read_json
 from cifar.results import TrainResult
 
-INDEX_NAME = "index.json"
-STATE_NAME = "state.json"
-HISTORY_NAME = "history.json"
+# RUN_DIR/state.json, history.json, training_curves.png and checkpoints/ (epoch files, index.json).
+INDEX_NAME = "index.json"  # Every kept checkpoint with its validation metrics, and the best one.
+STATE_NAME = "state.json"  # The stage key, the MLflow run id, the status and, once complete, the result.
+HISTORY_NAME = "history.json"  # One value per completed epoch and metric.
 PLOT_NAME = "training_curves.png"
-TEMP_PREFIX = ".tmp-"
+TEMP_PREFIX = ".tmp-"  # Files written under this prefix, then renamed into place.
 
 
 class CheckpointEntry(BaseModel):
@@ -66,7 +56,11 @@ class CheckpointIndex(BaseModel):
 
 
 def checkpoint_file_names(epoch: int) -> tuple[str, str]:
-    """The model file and evaluation-weights file names of an epoch."""
+    """The model file and evaluation-weights file names of an epoch.
+
+    epoch-0007.keras is the full model and optimizer state after epoch 7 (what resume loads);
+    epoch-0007.eval.weights.h5 the weights to evaluate: the EMA weights when EMA is on, else the same.
+    """
     return f"epoch-{epoch:04d}.keras", f"epoch-{epoch:04d}.eval.weights.h5"
 
 

@@ -1,22 +1,7 @@
 """Champion against challenger on identical images, with the same code: the promotion gate's evidence.
 
-Both models are loaded from the registry as what serving loads (their MLflow pyfunc, calling the
-exported SavedModel's signature) and score the same images: the snapshot's test split (the official
-test set in every snapshot) and its `new_data` slice when it has one. The decision then rests on
-paired results:
-
-- accuracy of each, and the difference (challenger - champion);
-- McNemar's exact test on the images where they disagree (scipy's binomial test on the discordant
-  pairs: under "equally good", each discordant image is a coin flip), two-sided p-value;
-- accuracy per class, and the largest drop of one class.
-
-`decide` applies the thresholds (`ExportConfig`), first rule that fails decides:
-
-1. min_accuracy: the challenger's accuracy must reach `min_accuracy` (the only rule for a first champion);
-2. class_drop: no class may lose more than `max_class_drop`;
-3. significantly_worse: a challenger worse with p < `significance` is refused, whatever the tolerance;
-4. improvement: the difference must reach `min_improvement` (negative: a tolerated loss), and a
-   required gain (min_improvement > 0) must be significant (p < `significance`).
+Both models, loaded as serving loads them, score the snapshot's test split (and its `new_data` slice);
+`decide` judges the paired results with the thresholds of `export` (README, "The gate").
 """
 
 from __future__ import annotations
@@ -74,7 +59,10 @@ class Comparison(BaseModel):
 
 
 def mcnemar_exact(challenger_only: int, champion_only: int) -> float:
-    """Two-sided p-value of McNemar's exact test from the discordant counts (1.0 when there are none)."""
+    """Two-sided p-value of McNemar's exact test from the discordant counts (1.0 when there are none).
+
+    A binomial test on the images where the two models disagree: under "equally good", each is a coin flip.
+    """
     discordant = challenger_only + champion_only
     if discordant == 0:
         return 1.0
@@ -159,7 +147,12 @@ def _thresholds(gate: ExportConfig) -> dict[str, float]:
 
 
 def decide(comparison: Comparison, gate: ExportConfig) -> Comparison:
-    """Applies the rules in order; the first that refuses decides, else the challenger is promoted."""
+    """Applies the rules in order; the first that refuses decides, else the challenger is promoted.
+
+    min_accuracy (the only rule for a first champion), class_drop (`max_class_drop`), significantly_worse
+    (worse with p < `significance`, whatever the tolerance), improvement (the difference must reach
+    `min_improvement`, negative: a tolerated loss; a required gain must also be significant).
+    """
     challenger, champion = comparison.challenger, comparison.champion
     accuracy = f"test accuracy {100 * challenger.accuracy:.2f} %"
     if challenger.accuracy < gate.min_accuracy:

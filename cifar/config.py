@@ -133,7 +133,7 @@ class DataConfig(Section):
 
 
 class ValidateConfig(Section):
-    """The data validation gate before any training: each check's threshold (cifar.data.checks).
+    """The data validation gate before any training: each check's threshold (cifar.data.gate_checks).
 
     New data (the examples of a snapshot that its reference lacks: the champion's training data, else
     the base archive) is checked for schema problems, size, label and image-statistics drift, exact

@@ -1,17 +1,8 @@
 """Which devices train, and the `tf.distribute` strategy over them.
 
-`train.gpus` selects the local devices: 0 = CPU, N = the first N GPUs, a list = exactly those GPU
-ids. On CPU every logical CPU device of the process is a replica: normally one, but a process
-that split its CPU into logical devices (`tf.config.set_logical_device_configuration`, as the
-tests do) gets a MirroredStrategy over them. With `TF_CONFIG` set the process is one worker of a
-cluster and trains with `MultiWorkerMirroredStrategy` over its local devices.
-
-`plan_devices` checks the request (GPUs that do not exist, a global batch that does not split
-evenly across the replicas) and raises `ValueError` before any data or model work starts.
-
-Only the chief writes: the task of type `chief`, or `worker` 0 when the cluster has no chief.
-Other workers take part in every collective (including saving) but write into temporary
-directories that are deleted (the standard Keras multi-worker pattern).
+`plan_devices` checks the request (`train.gpus`: 0 = CPU, N = the first N GPUs, a list = those ids)
+before any data or model work; `create_strategy` builds one device, Mirrored over local devices, or
+MultiWorkerMirrored when `TF_CONFIG` makes the process one worker of a cluster.
 """
 
 from __future__ import annotations
@@ -109,7 +100,8 @@ def plan_devices(train: TrainConfig, *, tf_config: str | None = None) -> DeviceP
         plan = DevicePlan("GPU", tuple(f"/gpu:{index}" for index in gpu_ids), tuple(gpu_ids), cluster)
     else:
         # The configured logical CPUs, read without initializing the runtime (GPU settings such
-        # as memory growth can still be changed after planning). A cluster worker uses one.
+        # as memory growth can still be changed after planning). A cluster worker uses one; a process
+        # that split its CPU into logical devices (as the tests do) gets a MirroredStrategy over them.
         virtual = tf.config.get_logical_device_configuration(tf.config.list_physical_devices("CPU")[0])
         count = 1 if cluster is not None else max(1, len(virtual or []))
         names = tuple(f"/cpu:{index}" for index in range(count))
@@ -141,7 +133,12 @@ def create_strategy(plan: DevicePlan) -> tf.distribute.Strategy:
 
 
 def writable_dir(plan: DevicePlan, directory: str | Path) -> Path:
-    """The chief writes to `directory`; other workers to a fresh temp dir (delete with `cleanup_dir`)."""
+    """The chief writes to `directory`; other workers to a fresh temp dir (delete with `cleanup_dir`).
+
+    Only the chief writes (the task of type `chief`, or `worker` 0 when the cluster has no chief); the
+    others take part in every collective, saving included, into directories that are deleted: the
+    standard Keras multi-worker pattern.
+    """
     if plan.is_chief:
         Path(directory).mkdir(parents=True, exist_ok=True)
         return Path(directory)

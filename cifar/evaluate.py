@@ -1,20 +1,4 @@
-"""The evaluate stage: test-split metrics of the chosen checkpoint(s), written to files and MLflow.
-
-The checkpoint is chosen on validation accuracy (the index's `best_epoch`), never on test; with
-`evaluate.checkpoints == "all"` every kept checkpoint is scored as well, for the learning curve.
-Beside the test accuracy: `test_accuracy_deduplicated`, on the test images that have no
-near-duplicate in the training batches (the data stage lists them), and the accuracy on the
-`new_data` slice (the validation images of the snapshot's additions), when there is one.
-Each checkpoint is scored with its evaluation (EMA) weights. Models trained on crops (the tutorial
-CNN, 24x24) see the centre crop of each 32x32 test image, as the exported model does in its graph.
-
-    runs/<run>/evaluation/
-      result.json            the stage's result and key, written last: the evaluation is reusable once it exists
-      metrics.json           accuracy, loss, per-class precision/recall/accuracy, confusion matrix
-      predictions.parquet    one row per test image: index, label, predicted, prob_0..prob_9
-      confusion_matrix.png   counts, rows = true class
-      misclassified.png      the first misclassified test images with true / predicted class
-"""
+"""The evaluate stage: test-split metrics of the chosen checkpoint(s), written to runs/<run>/evaluation/ and MLflow."""
 
 from __future__ import annotations
 
@@ -27,7 +11,7 @@ import numpy as np
 
 from cifar import failpoints, plots
 from cifar.checkpoints import CheckpointEntry, index_digest, load_eval_model, load_index, select_for_evaluation
-from cifar.config import PipelineConfig
+from cifar.config import EvaluateConfig, PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE, NEW_DATA_SLICE, NUM_CLASSES, Manifest, load_manifest
 from cifar.io import atomic_write_bytes, atomic_write_json, read_json
 from cifar.results import EvaluationResult
@@ -35,11 +19,12 @@ from cifar.reuse import evaluation_key
 from cifar.tracking import finite_metrics, resolve_tracking_uri, use_run
 
 READ_BATCH = 1024  # Serialized examples parsed per step when reading a split.
-RESULT_NAME = "result.json"
-METRICS_NAME = "metrics.json"
-PREDICTIONS_NAME = "predictions.parquet"
-CONFUSION_MATRIX_NAME = "confusion_matrix.png"
-MISCLASSIFIED_NAME = "misclassified.png"
+# The files of runs/<run>/evaluation/:
+RESULT_NAME = "result.json"  # The stage's result and key, written last: the evaluation is reusable once it exists.
+METRICS_NAME = "metrics.json"  # Accuracy, loss, per-class precision/recall/accuracy, confusion matrix.
+PREDICTIONS_NAME = "predictions.parquet"  # One row per test image: index, label, predicted, prob_0..prob_9.
+CONFUSION_MATRIX_NAME = "confusion_matrix.png"  # Counts, rows = true class.
+MISCLASSIFIED_NAME = "misclassified.png"  # The first misclassified test images with true / predicted class.
 
 
 def load_split(data_dir: str | Path, split: str) -> tuple[np.ndarray, np.ndarray]:
@@ -224,7 +209,8 @@ def evaluate_checkpoint(
     """Scores one checkpoint's evaluation weights: probabilities, accuracy, loss and (optionally) TTA."""
     from cifar.input_pipeline import center_crop
 
-    model = load_eval_model(checkpoint_dir, entry)
+    model = load_eval_model(checkpoint_dir, entry)  # Its evaluation (EMA) weights.
+    # A model trained on crops (the tutorial CNN, 24x24) sees the centre of each image, as the exported one does.
     cropped = center_crop(images, model_input_size(model))
     # The mirror images' logits serve both TTA scores, so they are computed once.
     views = mirrored_logits(model, cropped, batch_size) if flip_tta or translate_tta else None
@@ -264,6 +250,22 @@ def log_to_mlflow(
         mlflow.log_artifacts(str(output_dir), artifact_path="evaluation")
 
 
+# The values of metrics.json that the stage's result carries too.
+RESULT_METRICS = (
+    "epoch",
+    "test_accuracy",
+    "test_loss",
+    "flip_tta_accuracy",
+    "tta_accuracy",
+    "num_examples",
+    "correct",
+    "test_accuracy_deduplicated",
+    "deduplicated_examples",
+    "new_data_accuracy",
+    "new_data_examples",
+)
+
+
 def evaluate(
     config: PipelineConfig,
     data_dir: str | Path,
@@ -282,7 +284,6 @@ def evaluate(
     """
     checkpoint_dir = Path(checkpoint_dir)
     output_dir = Path(output_dir) if output_dir is not None else checkpoint_dir.parent / "evaluation"
-    settings = config.evaluate
     manifest = load_manifest(data_dir)
     key = evaluation_key(config, manifest.key or "", index_digest(checkpoint_dir))
     finished = None if refresh else find_evaluation(output_dir, key)
@@ -291,13 +292,34 @@ def evaluate(
     images, labels = load_split(data_dir, "test")
     if len(labels) == 0:
         raise ValueError(f"the test split in {data_dir} is empty: nothing to evaluate")
+    chosen, best_outcome, per_checkpoint = score_checkpoints(config.evaluate, checkpoint_dir, images, labels)
+    metrics = checkpoint_metrics(config, data_dir, manifest, checkpoint_dir, chosen, best_outcome, labels)
+    metrics["per_checkpoint"] = per_checkpoint
+    files = write_evaluation_files(output_dir, config.evaluate, manifest, images, labels, best_outcome, metrics)
+    if mlflow_run_id:
+        tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
+        log_to_mlflow(tracking_uri, mlflow_run_id, chosen.epoch, metrics, per_checkpoint, output_dir)
+    result = EvaluationResult(
+        key=key, **{name: metrics[name] for name in RESULT_METRICS}, **files, per_checkpoint=per_checkpoint
+    )
+    failpoints.reached("evaluate.scored")
+    atomic_write_json(output_dir / RESULT_NAME, result.model_dump(exclude={"reused"}))
+    return result
 
+
+def score_checkpoints(
+    settings: EvaluateConfig, checkpoint_dir: Path, images: np.ndarray, labels: np.ndarray
+) -> tuple[CheckpointEntry, dict[str, Any], list[dict]]:
+    """(the chosen checkpoint, its outcome, one row per scored checkpoint) on the test images.
+
+    The checkpoint is chosen on validation accuracy (the index's `best_epoch`), never on test; with
+    `evaluate.checkpoints == "all"` every kept checkpoint is scored as well, for the learning curve.
+    """
     index = load_index(checkpoint_dir)
     chosen = select_for_evaluation(index, "best")[0]  # By validation accuracy, never by test.
-    entries = select_for_evaluation(index, settings.checkpoints)
     per_checkpoint: list[dict] = []
     best_outcome: dict[str, Any] | None = None
-    for entry in entries:
+    for entry in select_for_evaluation(index, settings.checkpoints):
         is_chosen = entry.epoch == chosen.epoch
         tta = {"flip_tta": settings.flip_tta and is_chosen, "translate_tta": settings.translate_tta and is_chosen}
         outcome = evaluate_checkpoint(checkpoint_dir, entry, images, labels, batch_size=settings.batch_size, **tta)
@@ -308,25 +330,40 @@ def evaluate(
         if is_chosen:
             best_outcome = outcome
     assert best_outcome is not None  # The best entry is always among the kept ones.
+    return chosen, best_outcome, per_checkpoint
 
-    probabilities = best_outcome["probabilities"]
-    predictions = probabilities.argmax(axis=1)
-    matrix = confusion_matrix(labels, predictions, len(manifest.class_names))
+
+def checkpoint_metrics(
+    config: PipelineConfig,
+    data_dir: str | Path,
+    manifest: Manifest,
+    checkpoint_dir: Path,
+    chosen: CheckpointEntry,
+    outcome: dict[str, Any],
+    labels: np.ndarray,
+) -> dict[str, Any]:
+    """metrics.json but its `per_checkpoint` rows: the chosen checkpoint on the whole test split and its slices.
+
+    Beside the test accuracy: on the test images with no near-duplicate in the training batches (the
+    data stage lists them), and on the `new_data` slice (the snapshot's added validation images).
+    """
+    probabilities = outcome["probabilities"]
+    matrix = confusion_matrix(labels, probabilities.argmax(axis=1), len(manifest.class_names))
     # Test images without a near-duplicate in the training data: what the model does on unseen pictures.
     unseen = np.ones(len(labels), bool)
     unseen[near_duplicate_test_images(data_dir, manifest)] = False
     deduplicated = score(probabilities[unseen], labels[unseen]) if unseen.any() else None
-    new_data = _new_data_score(data_dir, manifest, checkpoint_dir, chosen, settings.batch_size)
-    metrics = {
+    new_data = _new_data_score(data_dir, manifest, checkpoint_dir, chosen, config.evaluate.batch_size)
+    return {
         "epoch": chosen.epoch,
         "checkpoint": chosen.model_path,
         "model": config.train.model,
         "num_examples": int(len(labels)),
-        "correct": best_outcome["correct"],
-        "test_accuracy": best_outcome["accuracy"],
-        "test_loss": best_outcome["loss"],
-        "flip_tta_accuracy": best_outcome.get("flip_tta_accuracy"),
-        "tta_accuracy": best_outcome.get("tta_accuracy"),
+        "correct": outcome["correct"],
+        "test_accuracy": outcome["accuracy"],
+        "test_loss": outcome["loss"],
+        "flip_tta_accuracy": outcome.get("flip_tta_accuracy"),
+        "tta_accuracy": outcome.get("tta_accuracy"),
         "test_accuracy_deduplicated": deduplicated["accuracy"] if deduplicated else None,
         "deduplicated_examples": int(unseen.sum()),
         "new_data_accuracy": new_data["accuracy"] if new_data else None,
@@ -335,48 +372,36 @@ def evaluate(
         "class_names": list(manifest.class_names),
         "per_class": per_class_metrics(matrix, manifest.class_names),
         "confusion_matrix": matrix.tolist(),
-        "per_checkpoint": per_checkpoint,
     }
 
+
+def write_evaluation_files(
+    output_dir: Path,
+    settings: EvaluateConfig,
+    manifest: Manifest,
+    images: np.ndarray,
+    labels: np.ndarray,
+    outcome: dict[str, Any],
+    metrics: dict[str, Any],
+) -> dict[str, str]:
+    """metrics.json, predictions.parquet and the two figures in `output_dir`; their paths, named as in the result."""
+    predictions = outcome["probabilities"].argmax(axis=1)
     metrics_path = atomic_write_json(output_dir / METRICS_NAME, metrics)
-    table = predictions_table_bytes(labels, probabilities, best_outcome["flip_probabilities"])
+    table = predictions_table_bytes(labels, outcome["probabilities"], outcome["flip_probabilities"])
     predictions_path = atomic_write_bytes(output_dir / PREDICTIONS_NAME, table)
-    title = f"Test confusion matrix (epoch {chosen.epoch})"
+    title = f"Test confusion matrix (epoch {metrics['epoch']})"
+    matrix = np.asarray(metrics["confusion_matrix"])
     confusion_png = plots.confusion_matrix_png(matrix, manifest.class_names, title=title)
     confusion_path = atomic_write_bytes(output_dir / CONFUSION_MATRIX_NAME, confusion_png)
     wrong = np.flatnonzero(predictions != labels)[: settings.misclassified_examples]
     grid = plots.misclassified_grid_png(images[wrong], labels[wrong], predictions[wrong], manifest.class_names)
     misclassified_path = atomic_write_bytes(output_dir / MISCLASSIFIED_NAME, grid)
-
-    if mlflow_run_id:
-        tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
-        log_to_mlflow(tracking_uri, mlflow_run_id, chosen.epoch, metrics, per_checkpoint, output_dir)
-
-    summary = (
-        "epoch",
-        "test_accuracy",
-        "test_loss",
-        "flip_tta_accuracy",
-        "tta_accuracy",
-        "num_examples",
-        "correct",
-        "test_accuracy_deduplicated",
-        "deduplicated_examples",
-        "new_data_accuracy",
-        "new_data_examples",
-    )
-    result = EvaluationResult(
-        key=key,
-        **{name: metrics[name] for name in summary},
-        metrics_path=str(metrics_path),
-        predictions_path=str(predictions_path),
-        confusion_matrix_plot=str(confusion_path),
-        misclassified_plot=str(misclassified_path),
-        per_checkpoint=per_checkpoint,
-    )
-    failpoints.reached("evaluate.scored")
-    atomic_write_json(output_dir / RESULT_NAME, result.model_dump(exclude={"reused"}))
-    return result
+    return {
+        "metrics_path": str(metrics_path),
+        "predictions_path": str(predictions_path),
+        "confusion_matrix_plot": str(confusion_path),
+        "misclassified_plot": str(misclassified_path),
+    }
 
 
 def _new_data_score(

@@ -2,19 +2,8 @@
 
     WORKDIR/export/<model_name>/<version>/   saved_model.pb, variables/, assets.extra/export.json
 
-Versions are consecutive integers and an existing version is never overwritten (layout and
-numbering in `cifar.workdir`). The SavedModel is written into a hidden temp directory in the same
-parent (`.export-*.partial`, which TF Serving and the version numbering both ignore), reloaded and
-checked there, and only then renamed to its version number, so an interrupted or failed export
-never leaves a half version behind. `assets.extra/export.json` records the stage's key and result:
-an export of the same evaluated checkpoint, model name and code finds that version and makes no
-new one (also after a crash between export and registration).
-
-Signatures (normalization and, for the tutorial CNN, the centre crop are inside the graph):
-  serving_default  images: uint8 [batch, 32, 32, 3]  -> class_ids int64 [batch],
-                                                        class_names string [batch],
-                                                        probabilities float32 [batch, 10]
-  serving_bytes    image_bytes: string [batch] of encoded 32x32 PNG/JPEG images -> the same outputs
+Written into a hidden temp directory, reloaded and checked there, then renamed to the next version
+number (`cifar.workdir`), so a failed export never leaves a half version; export.json records the key.
 """
 
 from __future__ import annotations
@@ -50,6 +39,10 @@ from cifar.workdir import (
     remove_partials,
 )
 
+# The signatures (normalization and, for the tutorial CNN, the centre crop are inside the graph):
+#   serving_default  images: uint8 [batch, 32, 32, 3] -> class_ids int64 [batch], class_names string [batch],
+#                                                         probabilities float32 [batch, 10]
+#   serving_bytes    image_bytes: string [batch] of encoded 32x32 PNG/JPEG images -> the same outputs
 SERVING_SIGNATURE = "serving_default"
 BYTES_SIGNATURE = "serving_bytes"
 INPUT_NAME = "images"
@@ -162,7 +155,8 @@ def export_model(
 ) -> ExportResult:
     """Exports the evaluated checkpoint (evaluation weights) as the next verified SavedModel version.
 
-    The version an earlier export of the same key published is returned instead, unless `refresh`.
+    The version an earlier export of the same key published is returned instead, unless `refresh`
+    (also after a crash between export and registration): versions are never overwritten.
     """
     root = export_root(Path(workdir), config.export.model_name)
     key = export_key(config, evaluation.key)

@@ -1,19 +1,8 @@
 """tf.data pipelines from the manifest's TFRecord shards to `(uint8 images, int32 labels)` batches.
 
-Training: shard files -> interleaved TFRecord readers -> (cache of the serialized records) ->
-shuffle with the seed -> repeat -> batch with the GLOBAL batch size (drop_remainder, so every step
-has the same shape) -> parse the whole batch at once -> batched random crop + flip -> prefetch.
-Batching before parsing turns 3,072-byte records into one `parse_example` and one `decode_raw`
-per step instead of one per image, and the augmentation is a single gather per batch.
-
-Evaluation: the same reader without shuffle, repeat or dropping, so every example is seen exactly
-once; the tutorial model's 24x24 input is a centre crop.
-
-Normalization is not done here: it is the model's first layer (see `cifar.models`). Under a
-`tf.distribute` strategy Keras splits each global batch into per-replica batches; across workers
-the datasets are sharded by element (`AutoShardPolicy.DATA`), which never duplicates or drops an
-example whatever the number of shard files, provided every worker sees the same order (the
-pipeline is made deterministic for multi-worker runs).
+Training: interleaved readers -> (cache) -> shuffle with the seed -> repeat -> GLOBAL batches -> parse
+the whole batch -> batched random crop + flip -> prefetch. Evaluation: the same reader, every example
+once. Normalization is the model's first layer (`cifar.models`), not done here.
 """
 
 from __future__ import annotations
@@ -161,6 +150,8 @@ def _options(deterministic: bool, autotune: bool = True) -> tf.data.Options:
     options.deterministic = deterministic
     options.autotune.enabled = autotune
     # Element-wise sharding across workers: correct for any number of shard files.
+    # Across workers, by element: never duplicates or drops an example whatever the number of shard files,
+    # provided every worker sees the same order (the pipeline is deterministic for multi-worker runs).
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     return options
 
@@ -215,9 +206,29 @@ def make_train_dataset(
     if cache:
         dataset = dataset.cache()  # Serialized records: ~3 KB each, parsed per batch below.
     dataset = dataset.shuffle(shuffle_buffer, seed=shuffle_seed, reshuffle_each_iteration=True).repeat()
+    # Batched before parsing (drop_remainder: every step has the same shape): one `parse_example` and one
+    # `decode_raw` per step instead of one per image, and the augmentation is a single gather per batch.
     dataset = dataset.batch(batch_size, drop_remainder=True)
     # Pair every batch with its step number: the augmentation seed is (seed, step), stateless.
     dataset = tf.data.Dataset.zip(dataset, tf.data.Dataset.counter(start_step))
+    options = {"padding_mode": padding_mode, "flip": flip, "steps_per_epoch": steps_per_epoch, "jitter": jitter}
+    transform = _batch_transform(seed, image_size, pad, augment=augment, **options)
+    dataset = dataset.map(transform, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
+    return dataset.prefetch(TRAIN_PREFETCH_BATCHES).with_options(_options(deterministic, autotune=False))
+
+
+def _batch_transform(
+    seed: int,
+    image_size: int,
+    pad: int,
+    *,
+    augment: bool,
+    padding_mode: str,
+    flip: str,
+    steps_per_epoch: int | None,
+    jitter: dict,
+):
+    """(serialized batch, step) -> (images, labels): parsed, then cropped, flipped and jittered when `augment`."""
 
     def parse_and_augment(serialized, step):
         images, labels = parse_batch(serialized)
@@ -229,15 +240,14 @@ def make_train_dataset(
             elif flip == "none":
                 flips = tf.zeros_like(labels)
             images = random_crop_flip(images, image_size, pad, batch_seed, padding_mode=padding_mode, flips=flips)
-            if brightness_jitter or contrast_jitter:
+            if jitter["brightness"] or jitter["contrast"]:
                 jitter_seed = tf.random.experimental.stateless_fold_in(batch_seed, JITTER_SEED_SALT)
                 images = color_jitter(images, jitter_seed, **jitter)
         elif image_size != IMAGE_SHAPE[0]:
             images = center_crop(images, image_size)
         return images, labels
 
-    dataset = dataset.map(parse_and_augment, num_parallel_calls=tf.data.AUTOTUNE, deterministic=deterministic)
-    return dataset.prefetch(TRAIN_PREFETCH_BATCHES).with_options(_options(deterministic, autotune=False))
+    return parse_and_augment
 
 
 def make_eval_dataset(

@@ -1,13 +1,7 @@
 """Custom Keras layers of the model zoo, each registered so `.keras` checkpoints reload.
 
-- `FusedBatchNormalization`: batch normalization in one oneDNN/cuDNN kernel (`FusedBatchNormV3`).
-  Keras 3's `BatchNormalization` on the TF backend is a dozen small ops (`tf.nn.moments`,
-  `tf.nn.batch_normalization`, forward and backward): 35-55% of a ResNet-20 step on CPU.
-- `LocalResponseNormalization`: the LRN of the 2012-era TF tutorial CNN.
-- `PatchWhitening`: airbench's frozen first convolution whose filters whiten image patches.
-- `Gelu`: exact GELU whose training path is two small XLA kernels (forward and gradient).
-- `ChannelPadding`: zero channels on both sides, the estimator's parameter-free ("option A") shortcut.
-- `PartialDirac`: airbench's convolution initializer (identity on the first input-many filters).
+Fused batch normalization and GELU (speed), the tutorial CNN's LRN, airbench's patch whitening and
+convolution initializer, and the estimator's parameter-free ("option A") shortcut padding.
 """
 
 from __future__ import annotations
@@ -29,6 +23,9 @@ _FUSED_INPUT_DTYPES = (tf.float32, tf.bfloat16, tf.float16)
 @keras.saving.register_keras_serializable(package="cifar")
 class FusedBatchNormalization(layers.Layer):
     """Batch normalization over the last axis computed by `tf.raw_ops.FusedBatchNormV3`.
+
+    One oneDNN/cuDNN kernel: Keras 3's `BatchNormalization` on the TF backend is a dozen small ops
+    (`tf.nn.moments`, `tf.nn.batch_normalization`, forward and backward), 35-55% of a ResNet-20 step on CPU.
 
     Numerically it is `keras.layers.BatchNormalization(axis=-1)`: in training it normalizes with
     the batch mean and the biased batch variance and updates

@@ -1,18 +1,8 @@
-"""Model zoo: Keras Functional models looked up by name.
+"""Model zoo: Keras Functional models looked up by name (`build_model`).
 
-Every model takes raw pixels (uint8 or float, 0..255, shape (size, size, 3)) and normalizes them
-inside the graph with the training split's per-channel mean/std, so training, evaluation and
-serving can never disagree about preprocessing. Every model returns float32 logits (N, 10).
-
-| name | what | parameters |
-|---|---|---|
-| `tutorial` | the TF tutorial CNN (conv-pool-LRN x2, dense 384/192) on 24x24 crops | 1,068,298 |
-| `resnet{6n+2}` | cifar10_estimator's ResNet v1 (resnet20/32/44/56/110 ...) | resnet20: 271,098 |
-| `fast` | airbench94's net; call `init_whitening(model, train_images)` before training | 1,973,944 |
-| `tiny` | one conv layer, for tests only | 314 |
-
-Parameter counts are `model.count_params()` (batch norm's moving statistics included). No model
-carries regularizers: training adds the L2 penalty to the loss (`cifar.train.add_weight_decay`).
+Every model takes raw pixels (0..255) and normalizes them in its first layer with the training split's
+mean/std, so training, evaluation and serving cannot disagree; it returns float32 logits (N, 10) and
+carries no regularizer (training adds the L2 penalty). The models: docs/ARCHITECTURE.md ("Model contract").
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Monitoring what a model sees: the images it scores and its answers, against what it was registered with.
 
-Every registered version records its reference (the tag `monitoring_reference`, written by the register
-stage): the drift profile of its training images (cifar.data.drift) and how it answered the test split
-(the class distribution of its predictions, and the share of answers below a confidence threshold).
-A batch prediction job measures the same things on the images it scored and compares, with the data
-validation gate's own measures:
-
-- image drift: Jensen-Shannon divergence of the brightness, contrast and channel-mean histograms (the
-  worst feature is judged, against `monitor.max_image_drift`);
-- prediction drift: L-infinity distance of the predicted class frequencies (`monitor.max_prediction_drift`);
-- low confidence: the share of answers whose top probability is below `monitor.confidence_threshold`,
-  judged by how far it rises above the test split's (`monitor.max_low_confidence_increase`).
-
-Fewer than `monitor.min_examples` scored images are reported, not judged.
+Every registered version records its reference (tag `monitoring_reference`): its training images' drift
+profile and how it answered the test split. A batch prediction job measures the same and compares, with
+the data validation gate's measures and the `monitor` thresholds (docs/BATCH_INFERENCE.md, "Monitoring").
 """
 
 from __future__ import annotations

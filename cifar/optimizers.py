@@ -1,18 +1,8 @@
 """The training optimizers: SGD with momentum per parameter group, and Muon on the conv filters.
 
-`GroupedSGD` is Keras's SGD (same update, same momentum-buffer convention, so checkpoints and
-schedules behave the same) plus two things the fast-CIFAR recipes need:
-
-- a learning-rate multiplier per group of variables, chosen by a regular expression on the
-  variable's path (airbench trains batch-norm biases at 64x the rate of the weights);
-- groups that stop training after a given optimizer step (airbench trains the whitening layer's
-  bias for the first 3 epochs only). A stopped variable is left exactly where it is: neither its
-  gradient nor its momentum moves it any more, as with PyTorch's `requires_grad = False`.
-
-`ConvMuon` is `GroupedSGD` whose convolution filters are trained by Muon instead (airbench94_muon,
-Keller Jordan): the momentum of each filter's gradient is orthogonalised by a few Newton-Schulz
-steps, and the filters are renormalised before every step. It reaches airbench94's accuracy in
-about 20 % fewer epochs on the official CIFAR-10.
+`GroupedSGD` is Keras's SGD (same update and momentum buffer, so checkpoints and schedules behave the
+same) plus the fast-CIFAR recipes' parameter groups; `ConvMuon` trains the convolution filters by Muon
+(airbench94_muon), reaching airbench94's accuracy in about 20 % fewer epochs on the official CIFAR-10.
 """
 
 from __future__ import annotations
@@ -31,8 +21,11 @@ class GroupedSGD(keras.optimizers.SGD):
 
     `learning_rate_multipliers` maps a regular expression (matched with `re.search` against
     `variable.path`, e.g. "group1_bn1/beta") to a multiplier; the first matching pattern wins and
-    unmatched variables use 1. `stop_after_steps` maps a pattern to the number of optimizer steps
-    the matching variables train for.
+    unmatched variables use 1 (airbench trains batch-norm biases at 64x the rate of the weights).
+    `stop_after_steps` maps a pattern to the number of optimizer steps the matching variables train
+    for (airbench trains the whitening bias for the first 3 epochs only); a stopped variable is left
+    exactly where it is, neither its gradient nor its momentum moves it, as PyTorch's
+    `requires_grad = False`.
     """
 
     def __init__(

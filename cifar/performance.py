@@ -1,16 +1,8 @@
 """Speed settings resolved from the config and the machine: precision policy, XLA, threads.
 
-`configure_performance` is called once before any model is built (the Keras dtype policy is read
-when layers are created) and returns what it chose, as strings, for logging to MLflow.
-
-Why these defaults (measured on a 2-core KVM Xeon with AMX-BF16; see docs/BENCHMARKS.md):
-- mixed_bfloat16 lets oneDNN run the convolutions on AMX tiles; together with the fused batch norm
-  (`TrainConfig.fused_batchnorm`) it trained ResNet-20 2.7-3.6x faster than stock float32 Keras.
-- GELU (the fast net) in bfloat16 is a dozen unfused elementwise passes on CPU; as one XLA kernel
-  forward and one backward (`cifar.layers.Gelu`, `TrainConfig.fused_gelu`) the fast net trained
-  1.7x faster. Only that activation is compiled: the convolutions stay on oneDNN.
-- XLA on CPU lowers convolutions to its own emitter instead of oneDNN: the same bfloat16 ResNet-20
-  step was ~5x slower with jit_compile, so "auto" jit is on for GPUs only.
+`configure_performance` is called once before any model is built (the Keras dtype policy is read when
+layers are created) and returns what it chose, as strings, for MLflow. Why each default, next to it
+below; the measurements: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -64,7 +56,10 @@ def resolve_precision(train: TrainConfig, num_gpus: int) -> str:
 
     "auto": on GPUs mixed_bfloat16 when every GPU used has compute capability >= 8.0 (no loss
     scaling needed), else mixed_float16; on CPU mixed_bfloat16 when the CPU has bfloat16
-    instructions (emulated bfloat16 is slower than float32), else float32.
+    instructions (emulated bfloat16 is slower than float32), else float32. On a 2-core Xeon with
+    AMX-BF16, mixed_bfloat16 (oneDNN on AMX tiles) with the fused batch norm trained ResNet-20
+    2.7-3.6x faster than stock float32 Keras; the fused GELU (`cifar.layers.Gelu`, one XLA kernel
+    forward and one backward instead of a dozen bfloat16 passes) trained the fast net 1.7x faster.
     """
     if num_gpus < 0:
         raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
@@ -85,7 +80,8 @@ def resolve_jit_compile(train: TrainConfig, num_gpus: int) -> bool:
     if num_gpus < 0:
         raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
     if train.jit_compile == "auto":
-        # XLA's CPU backend does not call oneDNN for convolutions: 2-4x slower steps on this CPU.
+        # XLA's CPU backend does not call oneDNN for convolutions: 2-4x slower steps on this CPU (a
+        # bfloat16 ResNet-20 step ~5x slower); only the fast net's GELU is compiled (cifar.layers.Gelu).
         return num_gpus > 0
     return train.jit_compile == "on"
 

@@ -1,8 +1,7 @@
-"""Evaluation plots: the confusion matrix and a grid of misclassified test images, as PNG bytes.
+"""Every figure the project draws: training curves, evaluation plots, near-duplicate sheets, drift histograms.
 
-Figures are drawn on matplotlib's Agg canvas directly (no pyplot, no global backend state), so
-plotting works in worker threads and on machines without a display. Callers write the bytes
-atomically where they belong.
+Drawn on matplotlib's Agg canvas directly (no pyplot, no global backend state), so plotting works in
+worker threads and on machines without a display; most return PNG bytes the caller writes atomically.
 """
 
 from __future__ import annotations
@@ -10,6 +9,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -22,6 +22,43 @@ def figure_png(figure: Figure, dpi: int = 100) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
     return buffer.getvalue()
+
+
+TRAINING_PANELS = {
+    "loss": ["loss", "val_loss"],
+    "accuracy": ["accuracy", "val_accuracy"],
+    "learning rate": ["learning_rate"],
+}
+
+
+def plot_training_curves(history: dict[str, list[float]], path: str | Path) -> Path:
+    """Writes a PNG with loss, accuracy (training and validation) and the learning rate per epoch.
+
+    `history` maps metric names to one value per epoch; an `epoch` list gives the x axis
+    (1, 2, ... when missing). Metrics that are absent are left out of their panel.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lengths = [len(values) for key, values in history.items() if key != "epoch"]
+    epochs = history.get("epoch") or list(range(1, max(lengths, default=0) + 1))
+    figure = Figure(figsize=(4.5 * len(TRAINING_PANELS), 3.5))
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, len(TRAINING_PANELS))
+    for axis, (title, keys) in zip(axes, TRAINING_PANELS.items()):
+        for key in keys:
+            values = history.get(key)
+            if values:
+                axis.plot(epochs[: len(values)], values, marker="o", markersize=3, label=key)
+        axis.set_title(title)
+        axis.set_xlabel("epoch")
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend()
+    figure.tight_layout()
+    temp = path.with_name(f".{path.stem}.tmp.png")
+    figure.savefig(temp, dpi=100)
+    temp.replace(path)
+    return path
 
 
 def confusion_matrix_png(matrix: np.ndarray, class_names: Sequence[str], title: str = "Confusion matrix") -> bytes:

@@ -1,23 +1,9 @@
 """The register stage: log the exported SavedModel to MLflow, register it, and judge it against the champion.
 
-The logged model is the pyfunc of `cifar/serving_model.py` (a model from code: loading a version runs
-that file, never unpickles an object), with the verified SavedModel directory as its artifact, so
-`mlflow models serve -m models:/cifar10@champion` answers with exactly what TF Serving would: class
-ids, class names and probabilities. Its input contract (uint8 images [batch, 32, 32, 3], JSON
-integers 0..255) is enforced by `cifar.serving_contract`.
-
-Promotion gate (the TFX "blessing"): the new version (the challenger) and the current champion are
-both loaded from the registry as serving loads them and score the same images, the snapshot's test
-split and its `new_data` slice; `cifar.comparison` decides from the paired results (accuracy,
-McNemar's exact test, per-class accuracy) with the thresholds of `export`. The full comparison is
-recorded on the version every time, promoted or not: the tag `promotion` (the decision), the
-artifact `promotion/comparison.json` of its run, and its description. Every move of the champion
-alias, by the gate or by hand (`flows/promote.py`), is appended to the registered model's
-`champion_history` tag, which a rollback reads. The registry needs a database-backed store.
-
-Registration is idempotent per export: every version is created with the tag `export_key`, and the
-decision is recorded on the version once taken. Registering the same export again returns the
-recorded decision; a version registered by an attempt that died before deciding gets its decision now.
+The registered model is the pyfunc of `cifar/serving_model.py` (a model from code) around the verified
+SavedModel; the gate (`cifar.comparison`) records its decision on every version, and every move of the
+champion alias goes into the `champion_history` tag (docs/ARCHITECTURE.md, "Registry, gate and continuous
+training"). The registry needs a database-backed store.
 """
 
 from __future__ import annotations
@@ -160,47 +146,72 @@ def register_and_promote(
         if version is not None and (decision := recorded_decision(version, key)) is not None:
             return decision
         if mlflow_run_id is None:
-            experiment_id = ensure_experiment(tracking_uri, workdir, config.tracking.experiment)
-            mlflow_run_id = client.create_run(experiment_id, run_name=f"register-{model_name}").info.run_id
+            mlflow_run_id = _registration_run(client, tracking_uri, workdir, config)
         with use_run(tracking_uri, mlflow_run_id):
             if version is None:
                 model_info = log_pyfunc_model(export_result, _input_example(input_example))
-                model_uri = model_info.model_uri
-            if not register:
-                result = PromotionResult(
-                    key=key,
-                    registered_model_version=None,
-                    champion=False,
-                    test_accuracy=export_result.verified_accuracy,
-                    champion_accuracy_before=None,
-                    model_uri=model_uri,
-                    reason="registration disabled (export.register_model is false)",
-                )
-                _log_decision(result)
-                return result
-            if version is None:
-                tags = {
-                    EXPORT_KEY_TAG: export_result.key,
-                    "export_version": str(export_result.version),
-                    "export_dir": export_result.export_dir,
-                    "epoch": str(export_result.epoch),
-                    **(trained_with.tags() if trained_with is not None else {}),
-                }
-                number = register_version(client, model_name, model_info, tags)
+                if not register:
+                    return _not_registered(key, export_result, model_info.model_uri)
+                number = register_version(client, model_name, model_info, _version_tags(export_result, trained_with))
                 failpoints.reached("register.registered")
+                model_uri = model_info.model_uri
             else:  # Registered by an attempt that died before the gate decided.
                 number, model_uri = int(version.version), version.source
-            comparison, reference = judge(client, tracking_uri, config, number, data_dir)
-            client.set_model_version_tag(model_name, str(number), REFERENCE_TAG, reference.model_dump_json())
-            result = _record(client, config, key, number, model_uri, comparison)
+            result = _decide(client, tracking_uri, config, key, number, model_uri, data_dir)
             if evaluation is not None:
                 card = write_model_card(
                     client, config, export_result, data_dir, evaluation, result, mlflow_run_id, trained_with
                 )
-                result = result.model_copy(update={"model_card": str(card)})
-                client.set_model_version_tag(
-                    model_name, str(number), DECISION_TAG, result.model_dump_json(exclude={"reused"})
-                )
+                result = _with_model_card(client, model_name, result, card)
+    return result
+
+
+def _registration_run(client, tracking_uri: str, workdir: Path, config: PipelineConfig) -> str:
+    """A run of its own for a registration called without the pipeline's run."""
+    experiment_id = ensure_experiment(tracking_uri, workdir, config.tracking.experiment)
+    return client.create_run(experiment_id, run_name=f"register-{config.export.model_name}").info.run_id
+
+
+def _not_registered(key: str, export_result: ExportResult, model_uri: str) -> PromotionResult:
+    """The result when `export.register_model` is off: the model is logged to the run, not registered."""
+    result = PromotionResult(
+        key=key,
+        registered_model_version=None,
+        champion=False,
+        test_accuracy=export_result.verified_accuracy,
+        champion_accuracy_before=None,
+        model_uri=model_uri,
+        reason="registration disabled (export.register_model is false)",
+    )
+    _log_decision(result)
+    return result
+
+
+def _version_tags(export_result: ExportResult, trained_with: TrainedWith | None) -> dict[str, str]:
+    """The tags a version is created with: the export it comes from (one version per export) and what made it."""
+    return {
+        EXPORT_KEY_TAG: export_result.key,
+        "export_version": str(export_result.version),
+        "export_dir": export_result.export_dir,
+        "epoch": str(export_result.epoch),
+        **(trained_with.tags() if trained_with is not None else {}),
+    }
+
+
+def _decide(
+    client, tracking_uri: str, config: PipelineConfig, key: str, version: int, model_uri: str, data_dir: str | Path
+) -> PromotionResult:
+    """The gate on a registered version: judged against the champion, its monitoring reference and decision recorded."""
+    comparison, reference = judge(client, tracking_uri, config, version, data_dir)
+    client.set_model_version_tag(config.export.model_name, str(version), REFERENCE_TAG, reference.model_dump_json())
+    return _record(client, config, key, version, model_uri, comparison)
+
+
+def _with_model_card(client, model_name: str, result: PromotionResult, card: Path) -> PromotionResult:
+    """The decision naming the version's model card, recorded again on the version."""
+    result = result.model_copy(update={"model_card": str(card)})
+    version = str(result.registered_model_version)
+    client.set_model_version_tag(model_name, version, DECISION_TAG, result.model_dump_json(exclude={"reused"}))
     return result
 
 

@@ -1,14 +1,8 @@
 """The one rule for reusing work: a stage's key, and what the same key means.
 
-A stage's key hashes the content it reads (the archive's SHA-256, or the keys and checkpoint digest
-of the stages before it), the config fields that shape its output (never retries, `train.resume` or
-later stages' fields), and the code version of every project module the stage executes: its entry
-module and every `cifar` module that imports, transitively, found by reading the imports.
-
-Same key: the stage returns its finished output and does no work. Another key: it computes into a
-new place (data directory, training run, export version, registry version). `refresh` forces the
-work. The stages store each result with its key; Prefect's cache only looks the same keys up.
-Everything here is cheap and free of TensorFlow, so a cached run never imports it.
+A key hashes the content a stage reads, the config fields that shape its output and the code of every
+`cifar` module it executes (found by reading the imports). Same key: the stored result, no work; another
+key: a new place; `refresh`: the work again (docs/ARCHITECTURE.md, "Reuse: one rule"). Free of TensorFlow.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """Learning-rate schedules as serializable Keras `LearningRateSchedule`s, looked up by name.
 
-Every schedule is a function of the optimizer step and knows the run's length in steps, so the
-same config means the same curve whatever the batch size. `make_schedule` applies the linear
-scaling rule: the configured learning rate is the peak at batch size 128 and scales with
-`batch_size / 128` (Goyal et al., 2017), so changing the batch size keeps the recipe.
-
-- `constant`: the peak rate throughout (after the optional warm-up).
-- `piecewise`: the cifar10_estimator's ResNet recipe, multipliers 1, 0.1, 0.01, 0.002. The
-  estimator decayed at epochs 82 and 123 (and 300, past the end) of a ~164-epoch run; we keep the
-  fractions 82/164 and 123/164 of the configured epochs and put the last drop at 150/164, so a
-  shorter run gets the same shape and the 0.002 stage is actually reached (300 epochs would be
-  beyond any run we train).
-- `cosine`: linear warm-up, then cosine decay to 0.
-- `onecycle`: triangular: linear up to the peak during the warm-up, then linear down to 0. The
-  start and end can be raised to fractions of the peak (airbench94: from 0.2 up to 1 over the
-  first 23% of the steps, then down to 0.07).
+Every schedule is a function of the optimizer step and knows the run's length in steps, so the same
+config means the same curve whatever the batch size; the configured rate is the peak at batch size
+128, scaled linearly with the batch (`scaled_learning_rate`, Goyal et al., 2017).
 """
 
 from __future__ import annotations
@@ -27,6 +15,8 @@ from keras import ops
 from cifar.config import TrainConfig
 
 REFERENCE_BATCH_SIZE = 128  # The configured learning rate is the peak at this batch size.
+# The cifar10_estimator's ResNet recipe decayed at epochs 82 and 123 (and 300, past the end) of a ~164-epoch
+# run: its fractions of the configured epochs, the last drop put at 150/164 so a run reaches the 0.002 stage.
 PIECEWISE_FRACTIONS = (82 / 164, 123 / 164, 150 / 164)  # Where the estimator recipe decays.
 PIECEWISE_MULTIPLIERS = (1.0, 0.1, 0.01, 0.002)
 
@@ -93,7 +83,8 @@ class WarmupCosine(_PeakOverRunSchedule):
 @keras.saving.register_keras_serializable(package="cifar")
 class OneCycle(_PeakOverRunSchedule):
     """Triangular one-cycle: linear from `initial_factor` x peak to the peak over the warm-up, then
-    linear down to `final_factor` x peak at `total_steps` (both factors 0 by default)."""
+    linear down to `final_factor` x peak at `total_steps` (both factors 0 by default; airbench94: from
+    0.2 up to 1 over the first 23% of the steps, then down to 0.07)."""
 
     def __init__(
         self,

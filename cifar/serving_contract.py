@@ -1,20 +1,8 @@
 """The input contract of the registered model: uint8 images [batch, 32, 32, 3], pixel values integers 0..255.
 
-JSON has no dtypes, so over REST "uint8" means: nested lists of JSON integers, each in 0..255, forming
-one array of shape [batch, 32, 32, 3]. Anything else (floats such as 0.5 or 3.0, values below 0 or
-above 255, another shape or rank, ragged lists, strings, booleans) is refused with a 400 that states
-the contract, instead of being cast to uint8 and answered.
-
-Why the model checks the raw request itself: for a tensor signature, MLflow's scoring server builds
-the input with `np.array(json_value, dtype=<signature dtype>)` before the model sees it
-(`mlflow.utils.proto_json_utils.convert_data_type`), and numpy truncates floats to uint8 without a
-word (0.7 -> 0). So the pyfunc is logged with its uint8 tensor signature carrying MLflow's mark for
-signatures taken from type hints (`raw_input_signature`): with it the server hands predict the JSON
-value of "inputs" as parsed, PyFuncModel.predict skips MLflow's schema enforcement, and
-`validate_images` below is the one check, for REST and Python callers alike. Of the JSON request
-formats MLflow then takes only `{"inputs": ...}` ("instances" and "dataframe_*" get its own 400).
-Versions logged before this lack the mark: they still load and answer uint8 input as before, and
-MLflow still casts what they are sent.
+Over REST "uint8" means nested lists of JSON integers in 0..255 forming one such array; anything else
+(floats such as 0.5 or 3.0, values out of range, another shape, ragged lists, strings, booleans) is
+refused with a 400 that states the contract, never cast to uint8 and answered (README, "Serving").
 """
 
 from __future__ import annotations
@@ -64,6 +52,14 @@ def validate_images(model_input: Any) -> np.ndarray:
     Takes what the scoring server passes (the JSON value of "inputs": nested lists, or a dict
     {"images": ...}) and what Python callers pass (numpy arrays, also in a dict). Integer arrays
     of any integer dtype are accepted when every value is in 0..255; no value is ever cast lossily.
+
+    Why the model checks the raw request itself: for a tensor signature, MLflow's scoring server builds
+    the input with `np.array(json_value, dtype=<signature dtype>)` (`convert_data_type`), and numpy
+    truncates floats to uint8 without a word (0.7 -> 0). So the pyfunc's signature carries MLflow's
+    type-hint mark (`cifar.compat.raw_input_signature`): the server hands predict the JSON as parsed,
+    PyFuncModel.predict skips MLflow's schema enforcement, and this is the one check, for REST and
+    Python callers alike; MLflow then takes only `{"inputs": ...}`. Versions logged before the mark
+    still load and answer uint8 input as before, and MLflow still casts what they are sent.
     """
     if isinstance(model_input, dict):
         if set(model_input) != {INPUT_NAME}:

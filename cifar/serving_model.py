@@ -1,13 +1,9 @@
 """The registered model's code: an MLflow pyfunc calling the exported SavedModel's `serving_default`.
 
-MLflow logs this file as the model ("models from code", `mlflow.pyfunc.log_model(python_model=<this
-file>)`): loading a version runs this file, which names the model with `set_model`, instead of
-unpickling a Python object, so a registry version never executes pickled code. The SavedModel
-directory is the model's one artifact (`saved_model`).
-
-Input is checked by `cifar.serving_contract.validate_images`: anything but integers 0..255 shaped
-[N, 32, 32, 3] is refused with the contract in the message (HTTP 400 when served). Versions logged
-before this file existed were pickled `cifar.registry.SavedModelClassifier` objects; they still load.
+MLflow logs this file as the model ("models from code"): loading a version runs this file, which names
+the model with `set_model`, instead of unpickling an object. The SavedModel directory is its one artifact;
+input is checked by `cifar.serving_contract.validate_images`. Versions logged before this file were
+pickled `cifar.registry.SavedModelClassifier` objects; they still load.
 """
 
 from __future__ import annotations

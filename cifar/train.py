@@ -1,40 +1,8 @@
 """The training stage: `train(config, data_dir, workdir)` fits a model and checkpoints every epoch.
 
-Recipe (the cifar10_estimator's, modernised): SGD with momentum (Nesterov per config), the
-learning rate given for batch 128 and scaled linearly with the global batch size, one of the
-schedules in `cifar.schedules`, optional label smoothing and weight EMA.
-
-Weight decay is an L2 penalty added to the loss for conv/dense kernels only (not biases, not
-batch-norm gamma/beta): `weight_decay / 2 * sum(w**2)`, whose gradient is `weight_decay * w`,
-exactly the estimator's `weight_decay * tf.nn.l2_loss(w)` and PyTorch's SGD `weight_decay`.
-We chose the loss penalty over the optimizer's decoupled `weight_decay` because decoupled decay
-bypasses momentum (its effective strength differs by ~1/(1 - momentum)), so the estimator's and
-the ResNet-9 recipes' published coefficients would not carry over. With `decay_biases` (the fast
-recipes) every parameter is decayed, batch-norm biases by `weight_decay / bias_learning_rate_multiplier`, and
-`cifar.optimizers.GroupedSGD` gives batch-norm biases their own rate and stops the whitening bias
-after `whitening_bias_epochs`; `Lookahead` (cifar.callbacks) replaces EMA there. With
-`optimizer: muon` the conv filters are trained by Muon (`cifar.optimizers.ConvMuon`) and carry no
-L2 penalty: Muon renormalises them every step.
-
-Run directory `WORKDIR/runs/<run_name>/` (contract in `cifar.checkpoints`): `checkpoints/`,
-`history.json`, `state.json` and `training_curves.png`. The default run name is the model and the
-stage key (`cifar.reuse.training_key`: data, training fields, seed, training code), so a changed
-setting or a changed module trains a new run in a new folder, with a new MLflow run.
-
-Reuse and resume:
-- `train.resume=True` (default) continues from the latest checkpoint in the index: model weights,
-  optimizer state (momentum, step counter, EMA) and the epoch counter (`initial_epoch`) are
-  restored, the history is cut to that epoch and the same MLflow run is continued. An epoch counts
-  once `index.json` lists it, so after a crash or kill at any point no epoch is lost and none is
-  counted twice; metrics MLflow missed (a kill between the checkpoint and the report) are
-  back-filled, one value per epoch.
-- A completed run with the same key returns its stored `TrainResult` without training.
-- `train.resume=False` (`--fresh`) or `refresh` deletes the old run directory and starts a new
-  MLflow run. A named run (`train.run_name`) made under another key is refused, not overwritten.
-- Multi-worker runs resume only when every worker sees the chief's run directory (shared disk).
-
-A NaN or infinite loss raises `TrainingDivergedError`: the bad epoch is not checkpointed and the
-MLflow run is marked FAILED.
+The recipe is the cifar10_estimator's, modernised (SGD with momentum, a schedule from `cifar.schedules`,
+label smoothing, weight EMA), plus airbench's parameter groups, Lookahead and Muon for the fast presets.
+Run directory contract: `cifar.checkpoints`; why each choice: next to the code below.
 """
 
 from __future__ import annotations
@@ -69,9 +37,9 @@ from cifar.layers import PatchWhitening
 from cifar.models import build_model, init_whitening, input_size
 from cifar.optimizers import ConvMuon, GroupedSGD, is_conv_filter
 from cifar.performance import configure_performance
+from cifar.plots import plot_training_curves
 from cifar.results import TrainResult
 from cifar.reuse import training_key
-from cifar.train_plots import plot_training_curves
 from cifar.workdir import run_dir
 
 __all__ = ["TrainResult", "TrainingDivergedError", "default_run_name", "train"]
@@ -99,7 +67,11 @@ class SparseCrossentropyWithSmoothing(keras.losses.Loss):
 
 
 def default_run_name(model: str, key: str) -> str:
-    """`<model>-<first 12 characters of the training key>`."""
+    """`<model>-<first 12 characters of the training key>`.
+
+    The key covers the data, the training fields, the seed and the training code (`cifar.reuse.training_key`),
+    so a changed setting or a changed module trains a new run in a new folder, with a new MLflow run.
+    """
     return f"{model}-{key[:12]}"
 
 
@@ -134,6 +106,11 @@ def add_weight_decay(
     decay_filters: bool = True,
 ) -> list[str]:
     """Puts an L2 penalty (gradient `weight_decay * w`) on every conv/dense kernel; returns their paths.
+
+    The penalty `weight_decay / 2 * sum(w**2)` is exactly the estimator's `weight_decay * tf.nn.l2_loss(w)`
+    and PyTorch's SGD `weight_decay`. It is a loss penalty rather than the optimizer's decoupled
+    `weight_decay` because decoupled decay bypasses momentum (its strength differs by ~1/(1 - momentum)),
+    so the estimator's and the ResNet-9 recipes' published coefficients would not carry over.
 
     With `decay_biases` every other trainable variable (biases, batch-norm beta/gamma) is decayed
     too, by `weight_decay / multiplier` where its learning rate is `multiplier` times the base
@@ -170,7 +147,13 @@ def add_weight_decay(
 
 def make_optimizer(config: PipelineConfig, steps_per_epoch: int) -> GroupedSGD:
     """SGD with momentum on the configured schedule, with airbench's parameter groups when asked;
-    with `optimizer: muon`, Muon on the conv filters, its rate following the same schedule's shape."""
+    with `optimizer: muon`, Muon on the conv filters, its rate following the same schedule's shape.
+
+    The learning rate is given for batch 128 and scaled linearly with the global batch size
+    (`schedules.scaled_learning_rate`). With the groups (the fast recipes), batch-norm biases get their
+    own rate and the whitening bias stops after `whitening_bias_epochs`; `Lookahead` (cifar.callbacks)
+    replaces EMA there. Muon's filters carry no L2 penalty: Muon renormalises them every step.
+    """
     train = config.train
     schedule = schedules.make_schedule(train, steps_per_epoch)
     multipliers = {}
@@ -283,15 +266,18 @@ def _train(
     epoch_callback: Callable[[dict], None] | None,
     callbacks: Sequence[keras.callbacks.Callback],
 ) -> TrainResult:
-    """`train` once the run folder is this process's: reuse, resume or train from scratch."""
+    """`train` once the run folder is this process's: reuse, resume or train from scratch.
+
+    A resume restores weights, optimizer state (momentum, step counter, EMA), the epoch and the MLflow
+    run; multi-worker runs resume only when every worker sees the chief's run folder."""
     config, run = job.config, job.run
     if job.plan.is_chief and (refresh or not job.train.resume):
-        run.discard()
+        run.discard()  # `--fresh` or `refresh`: a new folder and a new MLflow run.
     finished = run.completed(job.key)
     if finished is not None:
         logger.info("run %s is complete under the same key: reusing it", run.name)
         return finished
-    run.check_key(job.key)
+    run.check_key(job.key)  # A named run (`train.run_name`) made under another key is refused, not overwritten.
 
     performance = configure_performance(job.train, len(job.plan.gpu_ids))
     keras.utils.set_random_seed(config.seed)
@@ -299,6 +285,7 @@ def _train(
         tf.config.experimental.enable_op_determinism()
     strategy = distribute.create_strategy(job.plan)
 
+    # An epoch counts once index.json lists it: after a kill anywhere no epoch is lost and none counted twice.
     index = load_index(run.checkpoint_dir)
     initial_epoch = index.latest.epoch if index.latest else 0
     history = run.read_history(initial_epoch)
@@ -321,7 +308,7 @@ def _train(
         if initial_epoch < job.train.epochs:
             all_callbacks = [*_callbacks(job, checkpointer, run_id, epoch_callback), *callbacks]
             _fit(job, model, initial_epoch, all_callbacks, run_id)
-    except TrainingDivergedError as error:
+    except TrainingDivergedError as error:  # A NaN or infinite loss: the bad epoch was not checkpointed.
         if run_id is not None:
             tracking.mark_failed(job.tracking_uri, run_id, str(error))
             run.write_state(job.key, run_id, job.tracking_uri, "diverged")
@@ -423,6 +410,7 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
     for key, value in attempt_tags.items():
         client.set_tag(run_id, key, value)
     run.write_state(job.key, run_id, uri, "running")
+    # Metrics MLflow missed (a kill between the checkpoint and the report) are back-filled, one value per epoch.
     logged = tracking.logged_steps(uri, run_id, "loss")
     for epoch, metrics in history_rows(history):
         if epoch not in logged:

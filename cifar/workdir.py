@@ -1,14 +1,7 @@
 """Where every stage puts its files under the workdir. One place, so stages and tasks agree.
 
-WORKDIR/
-  downloads/                       archives fetched from http(s) sources (.part while in flight)
-  data/cifar10-<key>/              TFRecord shards, manifest.json, statistics parquet (data stage)
-  runs/<run_name>/                 one training run: checkpoints/, history, plots, state.json
-  runs/<run_name>/evaluation/      metrics.json, predictions.parquet, plots (evaluate stage)
-  export/<model_name>/<version>/   TF-Serving SavedModel versions (export stage); assets.extra/export.json
-                                   holds the version's key and result
-  mlflow.db, mlartifacts/          the embedded MLflow store (unless MLFLOW_TRACKING_URI is set)
-  summary.json                     what the last pipeline run produced
+The layout: docs/ARCHITECTURE.md ("Workdir layout"). Export versions are consecutive integers under
+export/<model_name>/ (TF Serving's layout), published by rename and never overwritten.
 """
 
 from __future__ import annotations

@@ -25,15 +25,15 @@ from prefect.events import emit_event
 from cifar.champion import find_champion
 from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir
 from cifar.data.additions import RESIZE_METHODS
-from cifar.data.checks import DataValidationError
 from cifar.data.download import fetch_archive
+from cifar.data.gate_checks import DataValidationError
 from cifar.data.ingest import IngestResult, describe_snapshots, ingest_addition, remove_addition
 from cifar.data.snapshots import DataStore, workdir_base
 from cifar.results import ArchiveInfo
 from cifar.tracking import resolve_tracking_uri
 from cifar.workdir import downloads_dir
 from flows.cli import add_archive_arguments, add_set_argument, flow_parser, overrides_from_args
-from tasks.validation import publish_validation
+from tasks.data_gate import publish_validation
 
 DATA_ADDED_EVENT = "cifar.data.added"  # prefect.yaml's retrain trigger expects this name.
 ResizeMethod = Literal["bilinear", "bicubic", "lanczos", "box", "nearest"]

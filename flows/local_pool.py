@@ -15,18 +15,18 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+from harness.ports import HOST, free_port
+from harness.prefect import isolated_prefect_env
+from harness.processes import ProcessHandle, spawn, stop_all, wait_for_http
+from harness.servers import wait_for_worker
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"
 POOL = "cifar-process"  # The pool prefect.yaml's deployments use; on a temporary server it is ours alone.
 TRIAL_DEPLOYMENT_NAME = "trial"
 TRAINING_TAG = "training"  # tasks/training.py's tag: its limit is how many trainings run at once.
@@ -34,79 +34,13 @@ START_TIMEOUT_SECONDS = 180.0
 STAGE_LOG_ENV = {"PREFECT_LOGGING_EXTRA_LOGGERS": "cifar,tasks"}  # As prefect.yaml's pool: stage logs in the UI.
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((HOST, 0))
-        return probe.getsockname()[1]
-
-
 def prefect_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "prefect", *args]
 
 
-def isolated_env(home: Path, api_url: str | None, **extra: str) -> dict[str, str]:
-    """This process's environment with Prefect pointed at `home` (and `api_url`), nothing of the user's profile."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
-    env |= {
-        "PREFECT_HOME": str(home),
-        "PREFECT_PROFILES_PATH": str(home / "profiles.toml"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_CLI_PROMPT": "false",
-        **extra,
-    }
-    if api_url:
-        env["PREFECT_API_URL"] = api_url
-    return env
-
-
-def interruptible() -> None:
-    """In a child before it runs: SIGINT back to its default. A search started in the background
-    (`cmd &` in a script, nohup) has SIGINT ignored, which children inherit, and `prefect worker
-    start` stops its worker with SIGINT: such a worker never stopped, and each cost the stop's timeout."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def spawn(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen:
+def start(command: list[str], env: dict[str, str], log_path: Path) -> ProcessHandle:
     """A child in this process's group (a kill of the search reaches it), logging to `log_path`."""
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(
-            command, env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=interruptible,
-        )  # fmt: skip
-
-
-def wait_until(ready, process: subprocess.Popen, log_path: Path, what: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{what} exited with {process.returncode}:\n{tail}")
-        if ready():
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"{what} did not start within {START_TIMEOUT_SECONDS:.0f} s (log: {log_path})")
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def stop(processes: list[subprocess.Popen], timeout: float = 20.0) -> None:
-    """SIGTERM to all at once, then SIGKILL to any still running `timeout` seconds later."""
-    running = [process for process in processes if process.poll() is None]
-    for process in running:
-        process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for process in running:
-        try:
-            process.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout)
+    return spawn(command, env, log_path, cwd=REPO_ROOT, own_group=False)
 
 
 def create_pool_and_deployment(workers: int) -> None:
@@ -142,30 +76,25 @@ def local_work_pool(workers: int, log_dir: Path) -> Iterator[str]:
     home = Path(tempfile.mkdtemp(prefix="cifar-search-prefect-"))
     port = free_port()
     api_url = f"http://{HOST}:{port}/api"
-    servers: list[subprocess.Popen] = []  # One, once started.
-    started_workers: list[subprocess.Popen] = []
+    servers: list[ProcessHandle] = []  # One, once started.
+    started_workers: list[ProcessHandle] = []
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         stamp = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}"
-        server_log = log_dir / f"search-server-{stamp}.log"
-        server_env = isolated_env(home, None, PREFECT_SERVER_UI_ENABLED="false")
+        server_env = isolated_prefect_env(home, None, PREFECT_SERVER_UI_ENABLED="false")
         command = prefect_command("server", "start", "--host", HOST, "--port", str(port), "--no-ui")
-        server = spawn(command, server_env, server_log)
-        servers.append(server)
-        wait_until(lambda: healthy(f"{api_url}/health"), server, server_log, "the temporary Prefect server")
+        servers.append(start(command, server_env, log_dir / f"search-server-{stamp}.log"))
+        wait_for_http(f"{api_url}/health", servers[0], START_TIMEOUT_SECONDS, what="the temporary Prefect server")
         with temporary_settings(updates={PREFECT_API_URL: api_url}):
             create_pool_and_deployment(workers)
-            worker_env = isolated_env(home, api_url, PWD=str(REPO_ROOT))
+            worker_env = isolated_prefect_env(home, api_url, PWD=str(REPO_ROOT))
             for index in range(workers):
-                log_path = log_dir / f"search-worker-{index}-{stamp}.log"
                 command = prefect_command("worker", "start", "--pool", POOL, "--limit", "1", "--name", f"local-{index}")
-                worker = spawn(command, worker_env, log_path)
-                started_workers.append(worker)
-                wait_until(lambda path=log_path: "started!" in path.read_text(errors="replace"), worker, log_path,
-                           f"worker local-{index}")  # fmt: skip
+                started_workers.append(start(command, worker_env, log_dir / f"search-worker-{index}-{stamp}.log"))
+                wait_for_worker(started_workers[-1], START_TIMEOUT_SECONDS, f"worker local-{index}")
             print(f"Local work pool {POOL}: {workers} worker(s) on a temporary Prefect server at {api_url}")
             yield api_url
     finally:
-        stop(started_workers)  # First, together: they report their flow runs' ends to the server.
-        stop(servers)
+        stop_all(started_workers, warn=False)  # First, together: they report their flow runs' ends to the server.
+        stop_all(servers, warn=False)
         shutil.rmtree(home, ignore_errors=True)

@@ -32,10 +32,10 @@ from flows.cli import add_run_arguments, add_set_argument, config_from_args, flo
 from tasks.artifacts import publish_report, write_summary
 from tasks.caching import result_storage
 from tasks.data import download_archive, prepare_dataset, resolve_snapshot
+from tasks.data_gate import log_validation, validate_data
 from tasks.evaluation import evaluate_model, export_model, register_model
 from tasks.search import finish_trial, start_trial
 from tasks.training import train_model
-from tasks.validation import log_validation, validate_data
 
 
 class Stages:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What scripts/ui_check.py needs beyond `make setup`: Debian's Chromium and the Python `playwright`
+# What scripts/ui_check/ needs beyond `make setup`: Debian's Chromium and the Python `playwright`
 # client in the venv. Playwright's own browser download (`playwright install`) is never used: the
 # harness launches /usr/bin/chromium through `executable_path`, so this works offline with only the
 # apt and PyPI mirrors. Idempotent: a no-op (well under a second) when both are present.

@@ -7,10 +7,7 @@
 #   scripts/postgres.sh stop DIR           stop that cluster (fast shutdown)
 #   scripts/postgres.sh status DIR         exit 0 if that cluster is running
 #
-# `start` reads POSTGRES_USER (default: postgres) and POSTGRES_PASSWORD (required), the same names the
-# postgres image in docker/compose.yaml reads; the superuser gets that password (scram-sha-256 over TCP).
-# The server refuses to run as root, so as root the cluster belongs to the `postgres` system user that the
-# Debian package creates. Durability is switched off (fsync, synchronous_commit): the cluster is for tests.
+# `start` reads POSTGRES_USER (default: postgres) and POSTGRES_PASSWORD (required), as the postgres image does.
 set -euo pipefail
 
 die() { echo "postgres.sh: $*" >&2; exit 1; }
@@ -54,7 +51,8 @@ install() {
     bindir >/dev/null || die "apt-get installed postgresql but no initdb/pg_ctl was found"
 }
 
-# Runs a command as the cluster's owner: `postgres` when we are root, ourselves otherwise.
+# Runs a command as the cluster's owner: `postgres` when we are root (the server refuses to run as root;
+# the Debian package creates that system user), ourselves otherwise.
 as_owner() {
     if [[ $(id -u) -eq 0 ]]; then
         id postgres >/dev/null 2>&1 || die "running as root needs the 'postgres' system user (scripts/postgres.sh install creates it)"
@@ -66,7 +64,7 @@ as_owner() {
 
 start() {
     local dir=${1:?usage: postgres.sh start DIR PORT} port=${2:?usage: postgres.sh start DIR PORT}
-    local user=${POSTGRES_USER:-postgres}
+    local user=${POSTGRES_USER:-postgres}  # The superuser, with POSTGRES_PASSWORD (scram-sha-256 over TCP).
     [[ -n ${POSTGRES_PASSWORD:-} ]] || die "set POSTGRES_PASSWORD"
     [[ $port =~ ^[0-9]+$ ]] || die "PORT must be a number, got '$port'"
     local bin
@@ -92,6 +90,7 @@ start() {
         rm -f "$pwfile"
     fi
     # Listen on loopback only; the socket lives in the cluster directory, not /var/run/postgresql.
+    # Durability is off (fsync, synchronous_commit, full_page_writes): the cluster is for tests.
     as_owner "$bin/pg_ctl" -D "$dir/data" -l "$dir/postgres.log" -w -t 60 \
         -o "-c listen_addresses=127.0.0.1 -c port=$port -c unix_socket_directories='$dir' -c fsync=off -c synchronous_commit=off -c full_page_writes=off" \
         start >/dev/null || { tail -n 30 "$dir/postgres.log" >&2; die "the server did not start"; }

@@ -3,12 +3,7 @@
 #
 #   scripts/prefect_server.sh --host 127.0.0.1 --port 4200
 #
-# Why (docs/ORCHESTRATION.md, "NOT NULL constraint failed: events.occurred"): events reach the server at
-# least once, and on SQLite Prefect's `_write_sqlite_events` runs `INSERT ... VALUES ()` with no rows
-# when every event of a batch is already stored (and fails on the primary key when one event appears
-# twice in a batch). This launcher drops those duplicates before Prefect's writer sees them, then
-# runs the ordinary `prefect server start` in the same process (one API worker, the default).
-# Other Prefect versions start unpatched, with a warning. On PostgreSQL the patch is a no-op.
+# Why: docs/ORCHESTRATION.md, "NOT NULL constraint failed: events.occurred".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then  # The checkout's venv, else the python on PATH (an image, another install).
@@ -20,6 +15,11 @@ import sys
 import prefect
 import sqlalchemy as sa
 
+# Events reach the server at least once, and on SQLite Prefect's `_write_sqlite_events` runs `INSERT ...
+# VALUES ()` with no rows when every event of a batch is already stored (and fails on the primary key when
+# one event appears twice in a batch): the duplicates are dropped before Prefect's writer sees them, then
+# the ordinary `prefect server start` runs in this process (one API worker, the default). Other Prefect
+# versions start unpatched, with a warning. On PostgreSQL the patch is a no-op.
 if prefect.__version__ == "3.8.8":
     from prefect.server.database import provide_database_interface
     from prefect.server.events.services import event_persister

@@ -12,7 +12,7 @@
 # An image that exists is kept (the stand-ins' own layers are cached by the engine); --refresh makes
 # the Debian root file system again, so the stand-ins are rebuilt on today's packages. Point the
 # stack at them with CIFAR_PYTHON_IMAGE and CIFAR_POSTGRES_IMAGE (docker/env.example). Needs root
-# (mmdebstrap) and, for podman, CONTAINERS_CONF as scripts/stack_check.py sets it.
+# (mmdebstrap) and, for podman, CONTAINERS_CONF as scripts/stack_check/ sets it.
 set -euo pipefail
 
 ENGINE=${ENGINE:-podman}

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from cifar import failpoints
 from cifar.checkpoints import RunDirectory
 from cifar.config import PipelineConfig
 from cifar.quiet import import_tensorflow
 from cifar.results import DataResult, TrainResult
 from cifar.reuse import finished_training_key
-from tasks import faults
 from tasks.artifacts import ProgressReporter
 from tasks.caching import stage_task
 
@@ -29,11 +29,9 @@ def train_model(config: PipelineConfig, dataset: DataResult, workdir: str, refre
         from cifar.search.pruning import TrialPruning
 
         callbacks.append(TrialPruning(config.trial, config.train.epochs))
-    return train(
-        config,
-        dataset.data_dir,
-        workdir,
-        refresh=refresh,
-        epoch_callback=faults.after_epoch(progress.epoch),
-        callbacks=callbacks,
-    )
+
+    def report_epoch(values: dict) -> None:
+        progress.epoch(values)
+        failpoints.reached("train.reported", int(values["epoch"]))  # A drill's crash, the checkpoint on disk.
+
+    return train(config, dataset.data_dir, workdir, refresh=refresh, epoch_callback=report_epoch, callbacks=callbacks)

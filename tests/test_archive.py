@@ -14,6 +14,7 @@ import pytest
 from cifar.data import archive as archive_module
 from cifar.data.archive import (
     CorruptArchiveError,
+    InvalidDatasetError,
     RestrictedUnpickler,
     UnknownLayoutError,
     UnsafeArchiveError,
@@ -24,7 +25,6 @@ from cifar.data.archive import (
     safe_extract,
 )
 from cifar.data.synthetic import CLASS_NAMES, source_arrays
-from cifar.data.validate import InvalidDatasetError
 
 TRAIN_PER_BATCH = 100  # The conftest fixtures: 5 batches of 100 training images, 200 test images.
 TEST_EXAMPLES = 200

@@ -10,12 +10,12 @@ import sys
 from flows.runtime import log_to_file
 
 import pytest
-from servers import REPO_ROOT
 
 from cifar.config import OFFICIAL_PYTHON_URL, PRESETS, ConfigOverrides, make_config
 from cifar.quiet import FRAMEWORK_LOGGERS, VERBOSE_ENV
 from flows.cli import ConfigError, config_from_args, parse_overrides, parse_value
 from flows.pipeline import build_parser
+from harness import REPO_ROOT
 
 SHA256 = "ab" * 32
 

@@ -18,13 +18,16 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from servers import REPO_ROOT, prefect_api, run_cli, start_prefect_server, start_worker
 from test_prefect_server import POOL, Stack, artifacts, flow_run_logs, wait_for
 
 from cifar.data.manifest import load_manifest
 from cifar.data.synthetic import build_archive, make_split, source_arrays, write_batch_file, write_image_folder
 from cifar.io import file_digest
 from cifar.summary import PipelineSummary
+from harness import REPO_ROOT
+from harness.prefect import prefect_api
+from harness.processes import run_cli
+from harness.servers import start_prefect_server, start_worker
 
 pytestmark = pytest.mark.integration
 

@@ -21,10 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DOCKER_DIR = REPO_ROOT / "docker"
-COMPOSE_PATH = DOCKER_DIR / "compose.yaml"
-ENV_EXAMPLE_PATH = DOCKER_DIR / "env.example"
+from harness import REPO_ROOT
+from harness.compose import COMPOSE_FILE, DOCKER_DIR, ENV_EXAMPLE_PATH, interpolate_tree, read_env_file, variables_used
 
 # Variables the official postgres image reads (https://hub.docker.com/_/postgres, "Environment Variables").
 POSTGRES_IMAGE_VARIABLES = {
@@ -38,65 +36,8 @@ POSTGRES_IMAGE_VARIABLES = {
 }
 INITDB_DIR = "/docker-entrypoint-initdb.d"
 
-_VARIABLE = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
-
-# --- Compose: loading and interpolation (shared with tests/test_postgres_stack.py) ---------------------
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """KEY=VALUE lines of a docker/.env-style file (comments and blank lines ignored)."""
-    values = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    return values
-
-
-def interpolate(text: str, variables: dict[str, str]) -> str:
-    """Compose's interpolation: `${VAR}`, `${VAR:-default}`, `${VAR-default}`, `${VAR:?error}`, `$$`."""
-
-    def substitute(match: re.Match) -> str:
-        if match.group(0) == "$$":
-            return "$"
-        name = match.group(1) or match.group(4)
-        operator, argument = match.group(2), match.group(3)
-        value = variables.get(name)
-        if operator in (":-", ":?"):
-            missing = not value
-        else:
-            missing = value is None
-        if missing and operator in (":-", "-"):
-            return interpolate(argument, variables)
-        if missing and operator in (":?", "?"):
-            raise ValueError(f"required variable {name} is missing: {argument}")
-        return value or ""
-
-    return _VARIABLE.sub(substitute, text)
-
-
-def interpolate_tree(value: Any, variables: dict[str, str]) -> Any:
-    if isinstance(value, str):
-        return interpolate(value, variables)
-    if isinstance(value, list):
-        return [interpolate_tree(item, variables) for item in value]
-    if isinstance(value, dict):
-        return {key: interpolate_tree(item, variables) for key, item in value.items()}
-    return value
-
-
-def variables_used(text: str) -> dict[str, str | None]:
-    """Interpolated variable name -> operator (`:?`, `:-`, ... or None) as written in `text`."""
-    used = {}
-    for match in _VARIABLE.finditer(text):
-        if match.group(0) != "$$":
-            name = match.group(1) or match.group(4)
-            operator = match.group(2)
-            if used.get(name) != ":?":  # Remember the strictest use.
-                used[name] = operator
-    return used
+# --- Compose: loading (shared with tests/test_postgres_stack.py) ------------------------------------------
 
 
 def load_compose(variables: dict[str, str] | None = None) -> dict[str, Any]:
@@ -104,7 +45,7 @@ def load_compose(variables: dict[str, str] | None = None) -> dict[str, Any]:
     if variables is None:
         variables = read_env_file(ENV_EXAMPLE_PATH)
         variables["POSTGRES_PASSWORD"] = "example-password"
-    return interpolate_tree(yaml.safe_load(COMPOSE_PATH.read_text(encoding="utf-8")), variables)
+    return interpolate_tree(yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8")), variables)
 
 
 def environment_of(service: dict[str, Any]) -> dict[str, str]:
@@ -329,7 +270,7 @@ def test_compose_services_have_an_image_and_valid_build_sections(compose):
 
 
 def test_compose_needs_a_password_and_documents_every_variable():
-    text = COMPOSE_PATH.read_text(encoding="utf-8")
+    text = COMPOSE_FILE.read_text(encoding="utf-8")
     used = variables_used(text)
     documented = read_env_file(ENV_EXAMPLE_PATH)
     assert set(used) <= set(documented), f"undocumented in docker/env.example: {set(used) - set(documented)}"
@@ -358,7 +299,7 @@ def test_published_ports_bind_to_loopback_only(compose):
             assert port.host_ip == "127.0.0.1", f"{name} publishes {port.target} on {port.host_ip or 'all interfaces'}"
     assert published >= 2  # Both UIs.
     # The all-interfaces address is for in-container binds only: nothing outside docker/ binds every interface.
-    for folder in ("cifar", "tasks", "flows", "scripts", "bench"):
+    for folder in ("cifar", "tasks", "flows", "harness", "scripts", "bench"):
         for path in (REPO_ROOT / folder).rglob("*"):
             if path.suffix in {".py", ".sh", ".yaml", ".yml", ".toml"}:
                 assert ALL_INTERFACES not in path.read_text(encoding="utf-8", errors="replace"), (
@@ -368,7 +309,7 @@ def test_published_ports_bind_to_loopback_only(compose):
         assert not path.exists() or ALL_INTERFACES not in path.read_text(encoding="utf-8"), (
             f"{path} binds {ALL_INTERFACES}"
         )
-    text = COMPOSE_PATH.read_text(encoding="utf-8")
+    text = COMPOSE_FILE.read_text(encoding="utf-8")
     assert ALL_INTERFACES in text  # In-container binds only; no published port uses it (checked above).
 
 
@@ -588,7 +529,7 @@ def test_build_args_are_declared_and_bases_can_be_replaced(compose):
         assert set(service["build"].get("args") or {}) <= declared, f"{name}: undeclared build args"
         assert stages[0].parent == "${PYTHON_IMAGE}", f"{dockerfile.name}: the base must be the PYTHON_IMAGE argument"
         assert "ARG PYTHON_IMAGE=python:${PYTHON_VERSION}-slim-bookworm" in text
-    raw = yaml.safe_load(COMPOSE_PATH.read_text(encoding="utf-8"))["services"]
+    raw = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))["services"]
     assert raw["postgres"]["image"] == "${CIFAR_POSTGRES_IMAGE:-postgres:15-bookworm}"
     documented = read_env_file(ENV_EXAMPLE_PATH)
     assert documented["CIFAR_PYTHON_IMAGE"] == "python:3.11-slim-bookworm"

@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers import REPO_ROOT, prefect_env
 
 from cifar.io import file_digest
 from cifar.reuse import code_version
 from cifar.summary import PipelineSummary
+from harness import REPO_ROOT
+from harness.prefect import prefect_env
 
 DATA_ONLY = ["--until", "data", "--set", "data.expect_official_counts=false", "--set", "data.validation_size=100"]
 

@@ -16,7 +16,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -25,12 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import BIN_DIR, ProcessHandle, _spawn, free_port, prefect_env
 from test_docker_config import (
     ALL_INTERFACES,
-    DOCKER_DIR,
-    ENV_EXAMPLE_PATH,
-    REPO_ROOT,
     Stage,
     command_of,
     copy_instructions,
@@ -38,26 +33,18 @@ from test_docker_config import (
     environment_of,
     load_compose,
     parse_dockerfile,
-    read_env_file,
     stage_lineage,
 )
 
 from cifar.summary import PipelineSummary
+from harness import REPO_ROOT
+from harness.compose import DOCKER_DIR, ENV_EXAMPLE_PATH, read_env_file
+from harness.ports import HOST, free_port
+from harness.postgres import install_postgres, postgres_cluster
+from harness.prefect import prefect_env
+from harness.processes import BIN_DIR, ProcessHandle, spawn
 
-POSTGRES_SCRIPT = REPO_ROOT / "scripts" / "postgres.sh"
-HOST = "127.0.0.1"
-
-
-def _install_postgres() -> str | None:
-    """Installs PostgreSQL when missing (fast no-op when present); the reason it cannot be had, or None."""
-    try:
-        result = subprocess.run(["bash", str(POSTGRES_SCRIPT), "install"], capture_output=True, text=True, timeout=900)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return str(error)
-    return None if result.returncode == 0 else result.stderr.strip()[-500:]
-
-
-_POSTGRES_MISSING = _install_postgres()
+_POSTGRES_MISSING = install_postgres()
 
 pytestmark = [
     pytest.mark.integration,
@@ -202,9 +189,7 @@ class Stack:
         """Starts `argv` as `service` and waits until the service's own health check passes."""
         environment = self.process_environment(service, **extra)
         log_path = self.root / "logs" / f"{service}.log"
-        handle = ProcessHandle(
-            _spawn(self.argv(argv, environment), environment, log_path, cwd=cwd), log_path, environment
-        )
+        handle = spawn(self.argv(argv, environment), environment, log_path, cwd=cwd)
         try:
             self.wait_healthy(service, environment, handle, timeout)
         except BaseException:
@@ -257,16 +242,8 @@ class Postgres:
 def postgres(stack: Stack) -> Iterator[Postgres]:
     """A PostgreSQL server on 127.0.0.1 with the databases compose's init script creates."""
     service = environment_of(stack.services["postgres"])
-    # Outside pytest's private temp root: as root, the cluster belongs to the `postgres` user.
-    directory = Path(tempfile.mkdtemp(prefix="cifar-postgres-", dir="/tmp"))
     port = stack.ports["postgres:5432"]
-    environment = {
-        **os.environ,
-        "POSTGRES_USER": service["POSTGRES_USER"],
-        "POSTGRES_PASSWORD": service["POSTGRES_PASSWORD"],
-    }
-    try:
-        _run(["bash", str(POSTGRES_SCRIPT), "start", str(directory), str(port)], environment, timeout=180)
+    with postgres_cluster(port, user=service["POSTGRES_USER"], password=service["POSTGRES_PASSWORD"]):
         client = {
             **os.environ,
             **service,
@@ -282,9 +259,6 @@ def postgres(stack: Stack) -> Iterator[Postgres]:
         _run(["bash", str(DOCKER_DIR / init_script)], client, timeout=60)
         assert stack.healthy("postgres", client), "the compose health check fails against this server"
         yield Postgres(port, service["POSTGRES_USER"], service["POSTGRES_PASSWORD"])
-    finally:
-        subprocess.run(["bash", str(POSTGRES_SCRIPT), "stop", str(directory)], capture_output=True, timeout=120)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import numpy as np
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from servers import prefect_api, start_prefect_server
 from test_evaluate import prepare_fixture_data, write_checkpoints
 
 from cifar.config import MonitorConfig, make_config
@@ -37,6 +36,8 @@ from cifar.registry import register_and_promote
 from flows.predict import DRIFT_DETECTED
 from flows.predict import main as predict_main
 from flows.predict import predict as predict_flow
+from harness.prefect import prefect_api
+from harness.servers import start_prefect_server
 
 LARGE_IMAGES = 60_000  # 176 MiB of pixels in the memory test.
 RSS_GROWTH_CAP = 80 * 2**20  # Well below the input's size: one chunk's buffers, the Parquet writer's pages.

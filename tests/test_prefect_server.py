@@ -16,20 +16,15 @@ from pathlib import Path
 from flows.runtime import DryRunPlan
 
 import pytest
-from servers import (
-    REPO_ROOT,
-    ProcessHandle,
-    ServerHandle,
-    free_port,
-    prefect_api,
-    run_cli,
-    start_prefect_server,
-    start_worker,
-)
 
 from cifar.io import file_digest
 from cifar.reuse import STAGE_MODULES, code_version
 from cifar.summary import PipelineSummary
+from harness import REPO_ROOT
+from harness.ports import free_port
+from harness.prefect import prefect_api
+from harness.processes import ProcessHandle, run_cli
+from harness.servers import ServerHandle, start_prefect_server, start_worker
 
 pytestmark = pytest.mark.integration
 
@@ -223,9 +218,9 @@ def test_crash_mid_training_fails_the_run_and_the_rerun_resumes(stack, python_ar
     parameters = smoke_parameters(python_archive, workdir, tracking_uri, run_name="crash-drill")
     parameters["until"] = "train"
 
-    crashed = wait_for(stack, run_deployment(stack, "cifar/smoke", parameters, {"CIFAR_FAULT_AFTER_EPOCH": "1"}))
+    crashed = wait_for(stack, run_deployment(stack, "cifar/smoke", parameters, {"CIFAR_RAISE_AT": "train.reported:1"}))
     assert crashed["state"]["type"] == "FAILED", crashed["state"]
-    assert "CIFAR_FAULT_AFTER_EPOCH=1" in crashed["state"]["message"], crashed["state"]["message"]
+    assert "CIFAR_RAISE_AT=train.reported:1" in crashed["state"]["message"], crashed["state"]["message"]
     checkpoint_dir = workdir / "runs" / "crash-drill" / "checkpoints"
     first_epoch = checkpoint_dir / "epoch-0001.keras"
     assert first_epoch.is_file() and not (checkpoint_dir / "epoch-0002.keras").exists()

@@ -14,12 +14,11 @@ import pytest
 
 from cifar.config import DataConfig
 from cifar.data import prepare as prepare_module
-from cifar.data.archive import CorruptArchiveError
+from cifar.data.archive import CorruptArchiveError, InvalidDatasetError
 from cifar.data.download import ChecksumMismatchError
 from cifar.data.manifest import load_manifest
 from cifar.data.prepare import IncompleteDataError, prepare_data, verify_data_dir
 from cifar.data.synthetic import CLASS_NAMES, source_arrays
-from cifar.data.validate import InvalidDatasetError
 from cifar.io import file_digests
 from cifar.reuse import data_key
 

@@ -18,11 +18,12 @@ from pathlib import Path
 import mlflow
 import psutil
 import pytest
-from servers import REPO_ROOT, prefect_env
 
 from cifar.config import make_config
 from cifar.preflight import GIB, ImpossibleRequestError, check_request
 from cifar.summary import PipelineSummary
+from harness import REPO_ROOT
+from harness.prefect import prefect_env
 
 SMALL = ["--preset", "smoke", "--set", "train.model=tiny", "--set", "train.epochs=2", "--set", "train.batch_size=100",
          "--set", "data.validation_size=100", "--set", "data.expect_official_counts=false",

@@ -134,6 +134,13 @@ def test_every_module_a_stage_imports_is_part_of_its_code():
     assert "cifar.input_pipeline" in reuse.module_closure("cifar.evaluate")  # Imported inside a function.
 
 
+def test_the_imports_of_a_package_are_followed_into_its_modules():
+    batch_prediction = reuse.module_closure("cifar.predict")  # A package whose __init__ re-exports its modules.
+    for module in ("sources", "model", "job", "scoring", "result", "tracking"):
+        assert f"cifar.predict.{module}" in batch_prediction
+    assert "cifar.monitoring" in batch_prediction  # Imported by a module of the package, not by its __init__.
+
+
 def test_a_parse_another_thread_raced_is_parsed_again(monkeypatch):
     # CPython 3.11 (python/cpython#106905): a parse in another thread at the same moment can make
     # ast.parse raise SystemError; a task's cache key then failed. The key is the same as undisturbed.

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import mlflow
 import pytest
-from servers import REPO_ROOT, prefect_env
 
 from cifar.summary import PipelineSummary
+from harness import REPO_ROOT
+from harness.prefect import prefect_env
 
 pytestmark = pytest.mark.slow
 

@@ -22,13 +22,16 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from servers import REPO_ROOT, prefect_api, prefect_env, run_cli, start_prefect_server, start_worker, stop_all
 
 from cifar.config import TrialLink, make_config
 from cifar.io import file_digest
 from cifar.search import results
 from cifar.search import study as studies
 from cifar.search.space import SPACE_PRESETS, SearchSpace, load_space
+from harness import REPO_ROOT
+from harness.prefect import prefect_api, prefect_env
+from harness.processes import run_cli, stop_all
+from harness.servers import start_prefect_server, start_worker
 
 # --- The space. ------------------------------------------------------------------------------------
 

@@ -4,8 +4,6 @@ and refuses input outside its contract (uint8 images [batch, 32, 32, 3]) with a 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import urllib.error
 import urllib.request
 
@@ -13,7 +11,6 @@ import numpy as np
 import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.pyfunc import PythonModel
-from servers import BIN_DIR, HOST, ProcessHandle, free_port, wait_for_http
 from test_evaluate import prepare_fixture_data, write_checkpoints
 
 from cifar import serving_contract
@@ -24,6 +21,7 @@ from cifar.evaluate import evaluate, load_split
 from cifar.export import INPUT_NAME, export_model, serving_outputs
 from cifar.registry import register_and_promote
 from cifar.serving_contract import CONTRACT, InputContractError, validate_images
+from harness.servers import start_model_server
 
 SERVER_START_SECONDS = 240  # Importing MLflow and TensorFlow on a busy 2-core machine is slow.
 
@@ -81,44 +79,11 @@ def test_mlflow_models_serve_answers_like_the_saved_model(python_archive, tmp_pa
     )
     assert promotion.champion and promotion.registered_model_version == 1
 
-    port = free_port()
-    environment = {key: value for key, value in os.environ.items() if not key.startswith("MLFLOW_")}
-    environment.update(
-        MLFLOW_TRACKING_URI=tracking_uri,
-        TF_CPP_MIN_LOG_LEVEL="2",
-        PYTHONUNBUFFERED="1",
-        PATH=f"{BIN_DIR}{os.pathsep}{environment.get('PATH', '')}",
+    server = start_model_server(
+        "models:/cifar10@champion", tracking_uri, tmp_path / "serve.log", cwd=tmp_path, timeout=SERVER_START_SECONDS
     )
-    command = [
-        str(BIN_DIR / "mlflow"),
-        "models",
-        "serve",
-        "-m",
-        "models:/cifar10@champion",
-        "--env-manager",
-        "local",
-        "-h",
-        HOST,
-        "-p",
-        str(port),
-        "--workers",
-        "1",
-    ]
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            command,
-            env=environment,
-            cwd=tmp_path,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    server = ProcessHandle(process, log_path, environment)
     try:
-        wait_for_http(f"http://{HOST}:{port}/ping", server, SERVER_START_SECONDS)
-        url = f"http://{HOST}:{port}/invocations"
+        url = f"{server.url}/invocations"
         batch = images[:20]
         status, answer = post_json(url, {"inputs": batch.tolist()})
         refusals = {name: post_json(url, {"inputs": bad}) for name, bad in contract_violations(images[:2]).items()}

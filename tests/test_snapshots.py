@@ -20,8 +20,8 @@ from PIL import Image
 from cifar.config import make_config
 from cifar.data.additions import read_addition
 from cifar.data.archive import UnsafePickleError
-from cifar.data.checks import DataValidationError
 from cifar.data.drift import Profile, image_features, js_divergence, linf_distance
+from cifar.data.gate_checks import DataValidationError
 from cifar.data.ingest import describe_snapshots, ingest_addition, remove_addition
 from cifar.data.manifest import load_manifest
 from cifar.data.neardup import find_near_duplicates

@@ -17,9 +17,9 @@ from cifar.checkpoints import CheckpointEntry, CheckpointIndex, append_epoch, lo
 from cifar.config import DataConfig, TrainConfig, make_config
 from cifar.data.prepare import prepare_data
 from cifar.models import build_model
+from cifar.plots import plot_training_curves
 from cifar.reuse import training_key
 from cifar.train import TrainResult, add_weight_decay, default_run_name, train
-from cifar.train_plots import plot_training_curves
 
 # Peak 0.1 at batch 32 (0.4 per 128 examples): the tiny model beats chance within two epochs.
 TINY = {"model": "tiny", "batch_size": 32, "learning_rate": 0.4, "schedule": "constant", "deterministic": True}

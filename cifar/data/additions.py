@@ -1,17 +1,10 @@
 """Reading new labelled data: a CIFAR batch file or a folder of images in class-named subfolders.
 
-    batch file   the pickle layout of `data_batch_N` (`data` uint8 (N, 3072), `labels`), read with the
-                 archive's restricted unpickler: a crafted pickle cannot run code
+    batch file   the pickle layout of `data_batch_N`, read with the archive's restricted unpickler
     folder       PATH/<class name>/<file>, PNG or JPEG, 32x32 RGB; `cat/001.png` is a cat
 
-Nothing is trusted. Every file that cannot be used is listed with what is wrong with it (undecodable,
-truncated, another size, not RGB, an unknown class folder, not inside a class folder, a link) and
-left out; the validation gate (cifar.data.checks) decides whether that is acceptable. Images of
-another size are refused unless the caller opts into a declared resize (`RESIZE_METHODS`), which the
-addition records. The usable images become an `Addition`: uint8 images (N, 32, 32, 3), labels and a
-name per image, in a canonical order (a folder's files sorted by path, a batch file's rows as they
-are), and its `digest` is the SHA-256 of exactly that content, so the same content is the same
-addition however often it is offered.
+Nothing is trusted: a file that cannot be used is listed with why and left out; the validation gate
+decides whether that is acceptable (docs/DATA.md, "Reading additions").
 """
 
 from __future__ import annotations
@@ -47,7 +40,11 @@ class FileProblem(BaseModel):
 
 @dataclass(frozen=True)
 class Addition:
-    """The usable content of a labelled source, in canonical order, and what was left out."""
+    """The usable content of a labelled source, in canonical order, and what was left out.
+
+    Canonical order: a folder's files sorted by path, a batch file's rows as they are; so the same
+    content is the same addition (the same `digest`) however often and however packaged it is offered.
+    """
 
     images: np.ndarray  # (N, 32, 32, 3) uint8
     labels: np.ndarray  # (N,) int64, class ids of the base archive's class names

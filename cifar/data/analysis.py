@@ -1,18 +1,8 @@
 """What the gate and the data stage need to know about each part of a snapshot, computed once and kept.
 
-For every image of a part (the base archive's training and test batches, each addition): a 64-bit
-content hash (exact duplicates, and the rule that puts an added image in train or validation) and
-the drift features (cifar.data.drift). For the base archive also: the plain near-duplicate
-fingerprints of its test images (what additions are searched against) and its own test images'
-near-duplicates in its training batches (`test_accuracy_deduplicated`).
-
-Analyses are kept beside what they describe, under a key of the content, the near-duplicate threshold
-and this code (`cifar.reuse.stage_key("analysis", ...)`):
-
-    WORKDIR/data/bases/<archive sha256[:16]>-<key>/   train.npz, test.npz, near_duplicates.json
-    WORKDIR/data/additions/<digest>/analysis-<key>.npz
-
-so the base's analysis (about a second on 2 cores) is paid once per archive, not once per snapshot.
+Per image of a part (the archive's batches, each addition): a 64-bit content hash and the drift features;
+for the archive also its test fingerprints and its own test near-duplicates. Kept beside what they describe
+(docs/DATA.md, "The store") under `analysis_key`, so the archive's (about a second) is paid once per archive.
 """
 
 from __future__ import annotations
@@ -35,7 +25,7 @@ from cifar.reuse import stage_key
 
 logger = logging.getLogger("cifar.data")
 
-HASH_BYTES = 8
+HASH_BYTES = 8  # A 64-bit content hash: exact duplicates, and the rule that puts an added image in train or validation.
 NEAR_MISS_MARGIN = 0.03  # The archive's pairs are kept down to threshold - margin: the contact sheet's near misses.
 
 

@@ -1,24 +1,9 @@
-"""Reading the CIFAR-10 archive safely: member checks, safe extraction, a restricted unpickler, both layouts.
+"""Reading the CIFAR-10 archive safely, and refusing what is not CIFAR-10: member checks, safe extraction,
+a restricted unpickler, both layouts, and the checks of rows, labels, class names and counts.
 
-The archive comes from the internet, so nothing in it is trusted:
-
-- every tar member is checked before its bytes are used (`check_member`): no absolute paths, no `..`,
-  only regular files and directories (no symlinks, hardlinks, devices or fifos), no absurd sizes;
-- the python layout's pickles are loaded with `RestrictedUnpickler`, which can build numpy arrays and
-  plain containers but cannot import or call anything else, so a crafted pickle cannot run code;
-- a truncated or corrupt gzip stream becomes a `CorruptArchiveError` instead of a stack of zlib errors.
-
-Two official layouts are understood:
-
-- `cifar-10-batches-py/`: pickled dicts `data_batch_1..5`, `test_batch` (`data`: uint8 (N, 3072),
-  `labels`: list of ints) and `batches.meta` (`label_names`);
-- `cifar-10-batches-bin/`: `data_batch_1..5.bin`, `test_batch.bin` (records of 1 label byte and 3,072
-  pixel bytes) and `batches.meta.txt` (one class name per line).
-
-A row of 3,072 bytes is the red plane, then green, then blue (1,024 bytes each, row-major);
-`RawDataset` holds images in HWC order, the layout every later stage uses. `read_archive` reads the
-members straight from the tar into memory (one pass, no temporary files; gzip is inflated by ISA-L
-when `isal` is installed); `safe_extract` applies the same checks while writing them to a directory.
+The archive comes from the internet, so nothing in it is trusted: every member is checked before its
+bytes are used, pickles can build numpy arrays and plain containers only, and a damaged gzip stream is
+one `CorruptArchiveError` (docs/RELIABILITY.md, "Hostile archives").
 """
 
 from __future__ import annotations
@@ -37,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from cifar.data.manifest import IMAGE_BYTES
-from cifar.data.validate import InvalidDatasetError, validate_batch, validate_class_names
+from cifar.config import TEST_EXAMPLES, TRAIN_EXAMPLES, DataConfig
+from cifar.data.manifest import IMAGE_BYTES, IMAGE_SHAPE, NUM_CLASSES
 from cifar.io import atomic_directory
 
 try:  # ISA-L inflates gzip about twice as fast as zlib; without it the standard library does the work.
@@ -63,6 +48,9 @@ CORRUPTION_ERRORS: tuple[type[BaseException], ...] = (tarfile.TarError, EOFError
     (isal_zlib.error,) if isal_zlib is not None else ()
 )
 
+# The two official layouts. python: pickled dicts data_batch_1..5 and test_batch (`data`: uint8 (N, 3072),
+# `labels`: a list of ints) and batches.meta (`label_names`). binary: data_batch_1..5.bin and test_batch.bin
+# (records of 1 label byte and 3,072 pixel bytes) and batches.meta.txt (one class name per line).
 PYTHON_LAYOUT = "python"
 BINARY_LAYOUT = "binary"
 LAYOUT_DIRECTORIES = {PYTHON_LAYOUT: "cifar-10-batches-py", BINARY_LAYOUT: "cifar-10-batches-bin"}
@@ -106,6 +94,88 @@ class RawDataset:
     test_labels: np.ndarray  # (M,) int64
     class_names: list[str]
     layout: str  # "python" or "binary".
+
+
+# Content checks: a batch while it is read (an error names its file), the assembled dataset against the
+# config. Anything not CIFAR-10 shaped (rows, labels, class names, counts) is an InvalidDatasetError.
+
+
+class InvalidDatasetError(ValueError):
+    """The archive's contents are not a well-formed CIFAR-10 dataset."""
+
+
+def validate_batch(name: str, data: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Checks one batch (`data` uint8 (N, 3072), N labels in 0..9); returns (rows, labels as int64)."""
+    if not isinstance(data, np.ndarray):
+        raise InvalidDatasetError(f"{name}: data is a {type(data).__name__}, expected a numpy array")
+    if data.dtype != np.uint8:
+        raise InvalidDatasetError(f"{name}: data has dtype {data.dtype}, expected uint8")
+    if data.ndim != 2 or data.shape[1] != IMAGE_BYTES:
+        raise InvalidDatasetError(f"{name}: data has shape {data.shape}, expected (N, {IMAGE_BYTES})")
+    try:
+        array = np.asarray(labels)
+    except (TypeError, ValueError) as error:
+        raise InvalidDatasetError(f"{name}: labels are not a list of integers: {error}") from error
+    if array.ndim != 1:
+        raise InvalidDatasetError(f"{name}: labels have shape {array.shape}, expected a flat list")
+    if len(array) and not np.issubdtype(array.dtype, np.integer):
+        raise InvalidDatasetError(f"{name}: labels have type {array.dtype}, expected integers")
+    if len(array) != len(data):
+        raise InvalidDatasetError(f"{name}: {len(array)} labels for {len(data)} images")
+    labels = array.astype(np.int64)
+    _check_label_range(name, labels)
+    return data, labels
+
+
+def _check_label_range(name: str, labels: np.ndarray) -> None:
+    """Every label must be a class index."""
+    outside = np.flatnonzero((labels < 0) | (labels >= NUM_CLASSES))
+    if len(outside):
+        first = int(outside[0])
+        raise InvalidDatasetError(
+            f"{name}: {len(outside)} labels outside 0..{NUM_CLASSES - 1}, "
+            f"first at index {first} (value {int(labels[first])})"
+        )
+
+
+def validate_class_names(name: str, class_names: list[Any]) -> list[str]:
+    """Exactly 10 distinct, non-empty class names."""
+    if len(class_names) != NUM_CLASSES:
+        raise InvalidDatasetError(f"{name}: {len(class_names)} class names, expected {NUM_CLASSES}")
+    if not all(isinstance(item, str) and item.strip() for item in class_names):
+        raise InvalidDatasetError(f"{name}: class names must be non-empty strings, got {class_names!r}")
+    if len(set(class_names)) != NUM_CLASSES:
+        raise InvalidDatasetError(f"{name}: class names are not distinct: {class_names!r}")
+    return list(class_names)
+
+
+def _validate_split(split: str, images: np.ndarray, labels: np.ndarray) -> None:
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[1:] != IMAGE_SHAPE:
+        raise InvalidDatasetError(
+            f"{split} images have shape {images.shape} and dtype {images.dtype}, expected (N, 32, 32, 3) uint8"
+        )
+    if labels.ndim != 1 or len(labels) != len(images):
+        raise InvalidDatasetError(f"{split}: {labels.shape[0] if labels.ndim else 0} labels for {len(images)} images")
+    _check_label_range(split, labels)
+
+
+def validate_dataset(dataset: RawDataset, config: DataConfig) -> None:
+    """Checks the assembled dataset's shapes, labels, class names and counts against `config`."""
+    _validate_split("train", dataset.train_images, dataset.train_labels)
+    _validate_split("test", dataset.test_images, dataset.test_labels)
+    validate_class_names("class names", dataset.class_names)
+    num_train, num_test = len(dataset.train_images), len(dataset.test_images)
+    if config.expect_official_counts and (num_train, num_test) != (TRAIN_EXAMPLES, TEST_EXAMPLES):
+        raise InvalidDatasetError(
+            f"archive holds {num_train:,} training and {num_test:,} test images, expected the official "
+            f"{TRAIN_EXAMPLES:,} and {TEST_EXAMPLES:,} (set data.expect_official_counts to false for other sizes)"
+        )
+    if num_test == 0:
+        raise InvalidDatasetError("archive holds no test images")
+    if config.validation_size >= num_train:
+        raise InvalidDatasetError(
+            f"validation_size {config.validation_size:,} leaves no training images out of {num_train:,}"
+        )
 
 
 # Member checks and extraction.
@@ -319,7 +389,11 @@ CLASS_NAME_READERS = {PYTHON_LAYOUT: _python_class_names, BINARY_LAYOUT: _binary
 
 
 def rows_to_images(batches: list[np.ndarray]) -> np.ndarray:
-    """Official rows (R plane, G plane, B plane) -> one (N, 32, 32, 3) HWC array, in a single copy."""
+    """Official rows (R plane, G plane, B plane) -> one (N, 32, 32, 3) HWC array, in a single copy.
+
+    A row's 3,072 bytes are the red plane, then green, then blue (1,024 bytes each, row-major); every
+    later stage uses HWC order.
+    """
     total = sum(len(rows) for rows in batches)
     images = np.empty((total, 32 * 32, 3), dtype=np.uint8)
     start = 0
@@ -380,6 +454,8 @@ def parse_layout(files: Mapping[str, bytes], layout: str, *, all_batches: bool =
 
 def read_archive(archive_path: str | Path, *, all_batches: bool = True) -> RawDataset:
     """Reads a CIFAR-10 archive in either official layout straight from the tar, checking every member.
+
+    One pass, into memory, no temporary files; `safe_extract` applies the same checks writing to a folder.
 
     `all_batches=False` accepts an archive that lacks some training batches (`parse_layout`).
     """

@@ -1,19 +1,7 @@
-"""Splits the dataset and writes it as TFRecord shards of serialized `tf.train.Example` protos.
+"""Splits the dataset and writes it as TFRecord shards of serialized `tf.train.Example` protos, without TensorFlow.
 
-Every example has the same two features, `image` (3,072 raw bytes) and `label` (int64 0..9), so every
-serialized proto has the same length and the same bytes around the pixels and the label. Instead of
-building 60,000 `tf.train.Example` objects one at a time, `encode_records` fills one (N, 3126) uint8
-array in a few vectorised numpy copies: per row, the TFRecord header (length and its CRC, constant),
-the serialized proto and the masked CRC32C of the proto. The protos are byte-identical to
-`tf.train.Example(...).SerializeToString()` with the features in sorted order and a shard is
-byte-identical to what `tf.io.TFRecordWriter` writes (tests check both), so TensorFlow is not needed
-here at all; a shard is one `write` and one SHA-256 over the same memory.
-
-Splits: `train` is the first N - validation_size training images, `validation` the last
-validation_size (the official order is already random), `test` the test batch. A split with no
-examples (validation_size 0) has no shards. Examples keep their archive order inside a split and
-shard k holds a contiguous slice, so the same input always gives byte-identical shards; training
-shuffles at read time.
+The same input always gives byte-identical shards: examples keep their archive order inside a split,
+shard k holds a contiguous slice, and training shuffles at read time.
 """
 
 from __future__ import annotations
@@ -89,7 +77,15 @@ FRAMED_RECORD_BYTES = len(RECORD_HEADER) + RECORD_BYTES + 4  # 3,126 bytes per r
 
 
 def encode_records(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
-    """TFRecord-framed serialized `tf.train.Example` protos, one row each: uint8 (N, FRAMED_RECORD_BYTES)."""
+    """TFRecord-framed serialized `tf.train.Example` protos, one row each: uint8 (N, FRAMED_RECORD_BYTES).
+
+    Every example has the same two features, `image` (3,072 raw bytes) and `label` (int64 0..9), so every
+    proto has the same length and the same bytes around the pixels and the label: rather than building
+    60,000 `tf.train.Example` objects, a few vectorised copies fill each row with the record header
+    (length and its CRC, constant), the proto and its masked CRC32C. The protos are byte-identical to
+    `tf.train.Example(...).SerializeToString()` (features in sorted order) and a shard to what
+    `tf.io.TFRecordWriter` writes (tests check both); a shard is one `write` and one SHA-256.
+    """
     if images.dtype != np.uint8 or images.shape[1:] != (32, 32, 3):
         raise ValueError(f"images must be uint8 (N, 32, 32, 3), got {images.dtype} {images.shape}")
     if len(labels) != len(images):
@@ -130,7 +126,11 @@ def shard_name(split: str, index: int, count: int) -> str:
 
 
 def split_dataset(dataset: RawDataset, validation_size: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """(images, labels) per split: train = first N - validation_size, validation = the rest, test."""
+    """(images, labels) per split: train = first N - validation_size, validation = the rest, test.
+
+    The official order is already random, so the last images validate. A split with no examples
+    (validation_size 0) gets no shards.
+    """
     if not 0 <= validation_size < len(dataset.train_images):
         raise ValueError(f"validation_size must be in 0..{len(dataset.train_images) - 1}, got {validation_size}")
     cut = len(dataset.train_images) - validation_size

@@ -1,22 +1,8 @@
 """The download stage: fetch the CIFAR-10 archive (or find it locally) and verify its checksums.
 
-Sources are an http(s) URL, a `file://` URL or a plain local path (`~` expanded).
-
-- Local sources are verified in place: nothing is copied and nothing is written to `downloads_dir`.
-  A local file without an expected checksum is accepted with a warning (its digests are returned).
-- http(s) sources must be verified: the official URLs default to their published MD5, any other URL
-  (a mirror) needs an explicit `sha256` or `md5`.
-- A download streams into `downloads_dir/<name>.part`. Dropped connections, timeouts, 5xx, 408 and
-  429 answers are retried with exponential backoff and jitter, resuming with an HTTP `Range` request
-  from the size of the `.part` file (or restarting from zero when the server ignores `Range`).
-  Other 4xx answers fail at once.
-- The finished `.part` is hashed once (SHA-256 and MD5) and renamed to its final name with
-  `os.replace` only when it matches, so nothing half-written or unverified ever holds the final name.
-  A final file that already matches is reused without any network access.
-
-After a checksum mismatch the `.part` is deleted. After a transfer that ran out of retries (or was
-interrupted by an exception such as Ctrl-C) it is deliberately kept, so the next call resumes it
-instead of starting over; a resumed `.part` that then fails verification is downloaded again from zero.
+Sources are an http(s) URL, a `file://` URL or a local path (`~` expanded; verified in place, never
+copied). A download streams into `downloads_dir/<name>.part`, retried and resumed on transient faults,
+and takes its final name only once verified (docs/RELIABILITY.md, "Download faults").
 """
 
 from __future__ import annotations
@@ -199,7 +185,11 @@ def _reusable_digests(final: Path, url: str, expected: dict[str, str]) -> dict[s
 def _download_and_verify(
     transfer: _Transfer, expected: dict[str, str], retries: int, backoff_seconds: float
 ) -> dict[str, str]:
-    """Completes and verifies the .part, deleting it on a mismatch; a resumed one that fails gets one fresh try."""
+    """Completes and verifies the .part, deleting it on a mismatch; a resumed one that fails gets one fresh try.
+
+    A transfer that runs out of retries (or is interrupted, by Ctrl-C say) keeps its .part on purpose:
+    the next call resumes it instead of starting over.
+    """
     # Bytes kept from an earlier call may belong to another file: worth one try from zero.
     resumed = transfer.part.is_file() and transfer.part.stat().st_size > 0
     while True:

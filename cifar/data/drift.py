@@ -1,18 +1,8 @@
 """What a set of images looks like, and how far two sets are apart: the one implementation of drift.
 
-The data validation gate (new labelled data against the champion's training data) and batch
-monitoring (the images a model scores against its training data) compare the same summaries with
-the same measures:
-
-- per-image features: brightness (mean of the luma), contrast (standard deviation of the luma) and
-  the mean of each channel, all on the 0..255 pixel scale;
-- `Profile`: a histogram of each feature over fixed bins, and a class histogram; profiles add up,
-  so the profile of a snapshot is the sum of its parts' profiles;
-- image drift: the Jensen-Shannon divergence (base 2, so 0..1) of each feature's histogram, TFDV's
-  measure for numeric features; the worst feature is the one judged;
-- label drift: the L-infinity distance of class frequencies, TFDV's measure for categorical features.
-
-scipy computes the divergence. Everything is numpy; nothing here needs TensorFlow.
+The data validation gate and batch monitoring compare the same summaries (`Profile`: histograms of
+per-image brightness, contrast and channel means, and of classes) with the same measures (Jensen-Shannon
+divergence per feature, L-infinity of class shares), as TFDV does for numeric and categorical features.
 """
 
 from __future__ import annotations
@@ -74,7 +64,10 @@ def feature_histogram(name: str, values: np.ndarray) -> list[int]:
 
 
 class Profile(BaseModel):
-    """How a set of labelled (or predicted) images is distributed: feature and class histograms."""
+    """How a set of labelled (or predicted) images is distributed: feature and class histograms.
+
+    Profiles add up: the profile of a snapshot is the sum of its parts' profiles.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -124,7 +117,7 @@ def linf_distance(counts: list[int] | np.ndarray, reference: list[int] | np.ndar
 
 
 def image_drift(current: Profile, reference: Profile) -> dict[str, float]:
-    """Jensen-Shannon divergence of each feature's histogram, current against reference."""
+    """Jensen-Shannon divergence of each feature's histogram, current against reference; the worst is judged."""
     return {name: js_divergence(current.features[name], reference.features[name]) for name in FEATURES}
 
 

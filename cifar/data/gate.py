@@ -1,14 +1,8 @@
-"""The validation gate as the pipeline and ingestion run it: against which reference, on which new data.
+"""The data validation gate as the pipeline and ingestion run it: against which reference, on which new data.
 
-    reference = the snapshot the current champion was trained on (its registry version records it),
-                else the base archive alone
-    new data  = the snapshot's additions that the reference lacks
-
-`check_prepared` runs the gate in the data stage, on a prepared data directory (every run: the
-champion, and so the reference, may have changed since the shards were written); `check_candidate`
-runs it at ingestion, on the snapshot an addition would make, before anything is stored. Both call
-the same checks (cifar.data.checks) on the same plan (cifar.data.plan); the report is written as JSON
-either way, and `enforce_report` raises when a check failed and `validate.enforce` is on.
+The reference is the snapshot the champion was trained on, else the archive alone; the new data is
+what the snapshot adds to it. `check_prepared` gates a prepared data directory (every data stage),
+`check_candidate` the snapshot an addition would make (at ingestion, before anything is stored).
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ from cifar.config import PipelineConfig
 from cifar.data.additions import Addition
 from cifar.data.analysis import BaseAnalysis, analyse, base_analysis
 from cifar.data.archive import RawDataset, read_archive
-from cifar.data.checks import DataValidationError, ValidationReport, validate
+from cifar.data.gate_checks import DataValidationError, ValidationReport, run_checks
 from cifar.data.manifest import load_manifest
 from cifar.data.plan import SnapshotPlan, plan_snapshot, validation_share
 from cifar.data.snapshots import AdditionRecord, DataStore, SnapshotNotFoundError, SnapshotRecord, StoredPart, now
@@ -70,7 +64,7 @@ def _gate(
     threshold = config.data.near_duplicate_similarity
     profile, examples = reference_profile(store, reference, base, threshold)
     new_parts = [part for part in parts if part.digest not in set(reference.additions)]
-    return validate(snapshot.key, reference.key, reason, new_parts, plan, profile, examples, config.validate)
+    return run_checks(snapshot.key, reference.key, reason, new_parts, plan, profile, examples, config.validate)
 
 
 def check_prepared(

@@ -4,10 +4,7 @@
       -> passed (or validate.enforce false): store the addition, record latest + addition as the new latest
       -> failed: the report goes to WORKDIR/data/rejected/, the store is unchanged, DataValidationError
 
-Ingests of one workdir take turns (the store's lock is held from the gate to the new record), so each
-extends the latest snapshot the one before made. Offering content that is already in the latest
-snapshot changes nothing. `remove_addition` records a snapshot without one addition (its files stay
-in the store: older snapshots still use them).
+Ingests of one workdir take turns, each extending the latest snapshot (docs/DATA.md, "Commands").
 """
 
 from __future__ import annotations
@@ -22,8 +19,8 @@ from cifar.champion import Champion
 from cifar.config import PipelineConfig
 from cifar.data.additions import read_addition
 from cifar.data.archive import read_archive
-from cifar.data.checks import DataValidationError, ValidationReport
 from cifar.data.gate import check_candidate
+from cifar.data.gate_checks import DataValidationError, ValidationReport
 from cifar.data.snapshots import DataStore, SnapshotNotFoundError, SnapshotRecord
 from cifar.io import atomic_write_json
 from cifar.results import ArchiveInfo
@@ -110,7 +107,10 @@ def ingest_addition(
 
 
 def remove_addition(workdir: str | Path, archive: ArchiveInfo, digest_prefix: str) -> IngestResult:
-    """Records the latest snapshot without one addition (named by its digest or a prefix of 8+ characters)."""
+    """Records the latest snapshot without one addition (named by its digest or a prefix of 8+ characters).
+
+    The addition's files stay in the store: older snapshots still use them.
+    """
     store = DataStore(workdir)
     with store.changing():
         latest = latest_snapshot(store, archive)

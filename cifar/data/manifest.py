@@ -1,15 +1,7 @@
 """The manifest: what the data stage produced, and the contract every later stage reads.
 
-TFRecord schema (format version 1), one `tf.train.Example` per image:
-  - `image`: bytes, the raw 32x32x3 uint8 pixels in HWC order (3,072 bytes, no encoding);
-  - `label`: int64, the class index 0..9 (names in `class_names`).
-Shards are uncompressed TFRecord files; paths in the manifest are relative to the manifest's folder.
-Statistics (`mean`, `std`) are per channel (R, G, B) on the 0..1 scale, over the training split.
-
-A data directory holds one snapshot (cifar.data.snapshots): the base archive's splits plus its
-additions' images (cifar.data.plan). `slices` name ranges of a split (`new_data`: the additions'
-validation images); `near_duplicates_file` lists the test images with a near-duplicate in the
-archive's training batches; `plan_file` says where every added image went and why.
+One `tf.train.Example` per image: `image` (3,072 raw uint8 bytes, HWC) and `label` (int64 0..9), in
+uncompressed TFRecord shards; paths are relative to the manifest's folder (docs/ARCHITECTURE.md, "Data contract").
 """
 
 from __future__ import annotations
@@ -87,11 +79,11 @@ class Manifest(BaseModel):
     std: list[float]
     statistics_file: str = STATISTICS_FILE
     class_histogram_file: str = CLASS_HISTOGRAM_FILE
-    snapshot: SnapshotInfo | None = None
-    slices: dict[str, SliceInfo] = {}
-    near_duplicates_file: str | None = None
+    snapshot: SnapshotInfo | None = None  # The archive plus its additions (cifar.data.snapshots).
+    slices: dict[str, SliceInfo] = {}  # Named ranges of a split; `new_data`: the additions' validation images.
+    near_duplicates_file: str | None = None  # The test images with a near-duplicate in the archive's training batches.
     near_duplicate_test_images: int | None = None  # Test images with a near-duplicate in the training batches.
-    plan_file: str | None = None
+    plan_file: str | None = None  # Where every added image went and why (cifar.data.plan).
 
     def shard_paths(self, data_dir: str | Path, split: str) -> list[str]:
         """Absolute shard paths of a split."""

@@ -1,28 +1,7 @@
 """Near-duplicate images: the same picture after a small shift or crop, a colour change or JPEG noise.
 
-An image's fingerprint is the 63 lowest-frequency DCT coefficients of its luma (8 x 8, without the
-mean), scaled to unit length: the mean is dropped (a brightness shift cancels), the length is
-normalised (a contrast change cancels), colour enters only through the luma, and JPEG noise lives in
-the high frequencies that are left out. Similarity is the cosine of two fingerprints.
-
-A shift or a crop moves every coefficient, so the fingerprint alone only finds the candidates:
-
-1. candidates: for each query image, the pool images whose plain fingerprints are the most similar
-   (at most CANDIDATES per query, each at least CANDIDATE_SIMILARITY);
-2. verification: each candidate pair's similarity is the best over aligned views: the query shifted
-   by up to 2 pixels or zoomed in (centre crops of 28 and 26 pixels, resized back), against the pool
-   image as it is or zoomed in the same way. A pair at or above the threshold is a near-duplicate.
-
-Every view is a linear map of the luma, so every fingerprint of every view is one matrix product
-(`_view_bases`), and the whole search is numpy: about a second for CIFAR-10's 10,000 test images
-against its 50,000 training images on 2 CPU cores, memory bounded by the chunk sizes.
-
-The threshold (`data.near_duplicate_similarity`, 0.97) was chosen on examples (docs/DATA.md): a
-1-pixel shift, a 28-pixel crop, a brightness or colour change and JPEG quality 30-50 of 500 real test
-images score >= 0.97 in 98-100 % of cases, while pairs of different pictures rarely pass: on our copy
-0.97 flags 3.8 % of the test images as having a near-duplicate in the training batches (published
-studies put it at about 3.3 %), and the contact sheet of pairs just above 0.97 shows the same
-pictures, below 0.96 mostly merely similar scenes.
+Fingerprints (low DCT frequencies of the luma) find candidates; aligned views verify them. The method,
+its speed and how the threshold was chosen: docs/DATA.md ("Near-duplicates").
 """
 
 from __future__ import annotations

@@ -4,18 +4,7 @@
     -> convert (shards) -> statistics -> manifest, all into a temp directory renamed to
     WORKDIR/data/cifar10-<key>.
 
-A snapshot (cifar.data.snapshots) is the base archive plus the additions ingested into the workdir;
-`data.snapshot` picks one (default: the latest). `<key>` is the stage's key (`cifar.reuse.data_key`):
-the archive's SHA-256, the additions' digests, the settings that shape the shards, the format version
-and the data code's version. When that directory already holds a complete manifest with that key
-whose shards have their recorded sizes, nothing is converted again; `verify_data_dir` re-hashes every
-shard when that cheap check is not enough. A partial or damaged directory is removed and rebuilt,
-never returned.
-
-Beside the shards: the plan (where each added image went, cifar.data.plan), the archive's own test
-images that have a near-duplicate in its training batches (`near_duplicates.parquet`, with a contact
-sheet of the closest pairs and of those around the threshold), from the archive's analysis, which is
-computed on the second core while the shards are written and kept for every later snapshot.
+A complete directory under the same key (`cifar.reuse.data_key`) is reused; a partial one is rebuilt.
 """
 
 from __future__ import annotations
@@ -27,7 +16,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +24,7 @@ import numpy as np
 from cifar import failpoints, locks, plots
 from cifar.config import DataConfig, resolve_workdir
 from cifar.data.analysis import BaseAnalysis, base_analysis
-from cifar.data.archive import RawDataset, read_archive
+from cifar.data.archive import RawDataset, read_archive, validate_dataset
 from cifar.data.convert import SPLITS, convert_splits, split_dataset
 from cifar.data.download import fetch_archive
 from cifar.data.manifest import (
@@ -55,7 +44,6 @@ from cifar.data.neardup import NearDuplicates
 from cifar.data.plan import SnapshotPlan, plan_snapshot, validation_share
 from cifar.data.snapshots import DataStore, SnapshotRecord, StoredPart
 from cifar.data.stats import channel_statistics, write_class_histogram, write_statistics
-from cifar.data.validate import validate_dataset
 from cifar.io import atomic_directory, atomic_write_bytes, atomic_write_json, file_digest
 from cifar.results import ArchiveInfo, DataResult
 from cifar.reuse import data_key, data_settings
@@ -193,17 +181,7 @@ def _build(
             dataset,
             config.near_duplicate_similarity,
         )
-        plan = SnapshotPlan(snapshot=snapshot.key, validation_fraction=0.0)
-        if parts:  # Where the added images go depends on the archive's test images: wait for its analysis.
-            fraction = validation_share(config.validation_size, len(dataset.train_images))
-            plan = plan_snapshot(
-                snapshot.key,
-                parts,
-                analysis.result(),
-                dataset.test_images,
-                validation_fraction=fraction,
-                threshold=config.near_duplicate_similarity,
-            )
+        plan = _plan(snapshot, parts, analysis, dataset, config)
         split_arrays, slices = _snapshot_splits(dataset, parts, plan, config.validation_size)
         report("convert", 0.0)
         splits = convert_splits(split_arrays, config, output_dir, on_shard=on_shard)
@@ -238,6 +216,26 @@ def _build(
         os.chmod(path, 0o644)
     report("statistics", 1.0)
     return manifest
+
+
+def _plan(
+    snapshot: SnapshotRecord,
+    parts: list[StoredPart],
+    analysis: Future[BaseAnalysis],
+    dataset: RawDataset,
+    config: DataConfig,
+) -> SnapshotPlan:
+    """Where the added images go; it depends on the archive's test images, so it waits for their analysis."""
+    if not parts:
+        return SnapshotPlan(snapshot=snapshot.key, validation_fraction=0.0)
+    return plan_snapshot(
+        snapshot.key,
+        parts,
+        analysis.result(),
+        dataset.test_images,
+        validation_fraction=validation_share(config.validation_size, len(dataset.train_images)),
+        threshold=config.near_duplicate_similarity,
+    )
 
 
 def _snapshot_splits(

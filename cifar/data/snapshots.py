@@ -1,17 +1,8 @@
 """Versioned data: the base archive plus the additions ingested into a workdir, as content-addressed snapshots.
 
-    WORKDIR/data/
-      additions/<digest>/          one addition: images.npy, labels.npy (numpy, never pickled), addition.json
-      snapshots/<key>.json         a snapshot: its base archive, its additions, the one it was made from
-      snapshots/<key>.validation.json   the validation gate's report when the snapshot was made
-      snapshots/latest-<base>.json      the latest snapshot of a base archive (what `data.snapshot=latest` trains)
-      rejected/<time>-<digest>.json     reports of additions the gate refused (the store is unchanged)
-
-An addition's digest is the SHA-256 of its content (cifar.data.additions); a snapshot's key hashes its
-base archive's SHA-256 and its additions' digests, sorted (`cifar.reuse.snapshot_key`): the same parts
-are the same snapshot, in whatever order they arrived, and build byte-identical shards. Every write is
-atomic and changes to the snapshot records take a lock, so ingests running at once each extend the
-latest snapshot in turn. Nothing here needs TensorFlow.
+The store's layout, the keys (`cifar.reuse.snapshot_key`: the same parts are the same snapshot, in
+whatever order they arrived) and the commands: docs/DATA.md ("The store"). Every write is atomic and
+changes to the snapshot records take a lock, so ingests running at once each extend the latest in turn.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """The search space: which training settings a search varies, over what values, sampled and pruned how.
 
-A `SearchSpace` names distributions over `train.*` fields (by their field name: `learning_rate`,
-`model`, ...), the sampler (`tpe`, Optuna's default; `random`; or `grid`, every combination of
-categorical choices once, which is today's models x learning-rates sweep) and the pruner (`median`
-or `halving`, with a warm-up). It is validated when it is built, and again against the base
-config the search starts from (`check_against`), so a value the pipeline would refuse fails
-before any trial starts, with an error naming the field:
-
-    space.params.learning_rate.high: Input should be less than or equal to 100
-
-Presets (`SPACE_PRESETS`) are `smoke`, `resnet` and `grid`; `load_space(name_or_file)` takes a
-preset name or a JSON/YAML file of the same shape:
-
-    {"name": "lr-only", "sampler": "tpe",
-     "params": {"learning_rate": {"type": "float", "low": 0.001, "high": 0.5, "log": true}},
-     "pruner": {"kind": "median", "startup_trials": 2, "min_epochs": 1},
-     "first_trials": [{"learning_rate": 0.05}]}
-
-`first_trials` are settings tried before the sampler picks, in order (Optuna's `enqueue_trial`): the
-current recipe as a baseline, a point known to be good from an earlier study. A field a first trial
-leaves out is sampled.
+A typed `SearchSpace`, its presets and `load_space`; validated when built and against the base config
+(`check_against`), so a value the pipeline would refuse fails before any trial starts, naming the field.
+Samplers, pruners and `first_trials`: docs/ORCHESTRATION.md ("Space").
 """
 
 from __future__ import annotations
@@ -282,7 +265,13 @@ SPACE_PRESETS: dict[str, SearchSpace] = {
 
 
 def load_space(name_or_path: str | Path | SearchSpace | dict[str, Any]) -> SearchSpace:
-    """A preset by name, a JSON or YAML file of a `SearchSpace`, or the spec itself (validated)."""
+    """A preset by name, a JSON or YAML file of a `SearchSpace`, or the spec itself (validated). A file:
+
+    {"name": "lr-only", "sampler": "tpe",
+     "params": {"learning_rate": {"type": "float", "low": 0.001, "high": 0.5, "log": true}},
+     "pruner": {"kind": "median", "startup_trials": 2, "min_epochs": 1},
+     "first_trials": [{"learning_rate": 0.05}]}
+    """
     if isinstance(name_or_path, SearchSpace):
         return name_or_path
     if isinstance(name_or_path, dict):

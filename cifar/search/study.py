@@ -1,20 +1,9 @@
 """Where a search's Optuna study lives, and what the search and each trial's run record in it.
 
-Storage: one study store shared by the search flow and every trial's run, so all of them must reach
-it. On one machine that is an Optuna journal file (`WORKDIR/search/<study>.journal`), which many
-processes append to safely under a file lock, with no server; across machines it is a database URL
-(the compose stack's PostgreSQL: `postgresql://user:password@host/optuna`) given as
-`CIFAR_SEARCH_STORAGE` in the environment of the search and of every worker, so the password never
-travels in flow parameters or summaries (`redact`).
-
-A study is created once and loaded after that (`load_if_exists`): a search that is stopped and
-started again continues the same study. Its user attributes keep what must not change between
-attempts: the search space (hence the pruner every trial rebuilds) and the MLflow parent run.
-
-Who writes what: the search flow asks for trials (`ask_trial`), records where each one runs
-(`record_dispatch`) and fails the ones whose run died (`fail_trial`); a trial's run reports every
-epoch (`TrialReporter`), may be pruned, and tells its own outcome (`finish_trial`), so a trial that
-outlives a killed search still finishes in the study.
+One store for the search and every trial: a journal file on one machine, a database URL
+(`CIFAR_SEARCH_STORAGE`) across machines. The search asks for trials, records where each runs and fails
+the ones whose run died; a trial's run reports its epochs and its own outcome, so it outlives a killed
+search (docs/ORCHESTRATION.md, "Studies that survive").
 """
 
 from __future__ import annotations
@@ -103,7 +92,11 @@ def quiet_optuna() -> None:
 
 
 def open_study(storage: str, study_name: str, space: SearchSpace, seed: int):
-    """Creates the study (maximising the objective) or loads it; refuses one made for another space."""
+    """Creates the study (maximising the objective) or loads it; refuses one made for another space.
+
+    Its user attributes keep what must not change between attempts: the search space (hence the pruner
+    every trial rebuilds) and the MLflow parent run.
+    """
     import optuna
 
     quiet_optuna()

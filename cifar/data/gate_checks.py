@@ -1,24 +1,7 @@
-"""The data validation gate: is the new data sane, and how does it differ from what the champion learnt from?
+"""The data validation gate's checks: the new data's schema, size, drift, duplicates and leakage, in one report.
 
-The new data of a snapshot is what its reference lacks: the additions that are not in the reference
-snapshot (the one the current champion was trained on, else the base archive alone). Each check
-reports the measured value beside its threshold (`ValidateConfig`), as TFDV's anomalies do:
-
-- schema: files left out of the additions (undecodable, truncated, another size, not RGB, an unknown
-  class folder) and stored arrays of the wrong shape or label range; fails above `max_invalid_files`;
-- size: examples added / the reference's training examples; fails above `max_added_ratio`;
-- label_distribution: L-infinity distance of class frequencies, new vs reference; `max_label_drift`;
-- image_statistics: Jensen-Shannon divergence of the brightness, contrast and channel-mean histograms,
-  new vs reference, the worst feature; `max_image_drift`;
-- duplicates: share of new images that exactly repeat an image of the snapshot or of their own
-  addition (dropped either way); `max_duplicate_fraction`;
-- leakage: share of new images that are (near-)duplicates of test images (kept out of training either
-  way, and listed); `max_leakage_fraction`.
-
-The drift checks are only judged from `min_examples_for_drift` new images on (below that they are
-reported, not judged: a handful of images says little about a distribution). The report lists the
-offending files of every check in full. `run_gate` raises `DataValidationError` (one line naming the
-failed checks, and where the full report is) when a check fails and `enforce` is on.
+Each check reports its measured value beside its threshold (`ValidateConfig`), as TFDV's anomalies do,
+and lists the files at fault; the checks and why their thresholds: docs/DATA.md ("The validation gate").
 """
 
 from __future__ import annotations
@@ -100,7 +83,7 @@ class DataValidationError(ValueError):
         self.report_path = report_path
 
 
-def validate(
+def run_checks(
     snapshot: str,
     reference: str,
     reference_reason: str,
@@ -187,6 +170,7 @@ def _size(added: int, reference_examples: int, settings: ValidateConfig) -> Chec
 
 
 def _drift(new: Profile, reference: Profile, settings: ValidateConfig) -> list[CheckResult]:
+    # Below `min_examples_for_drift` new images, drift is reported, not judged: a handful says little.
     judged = new.count >= settings.min_examples_for_drift
     note = "" if judged else f" (not judged: {new.count} new examples < {settings.min_examples_for_drift})"
     if new.count == 0:

@@ -9,12 +9,12 @@ from prefect.artifacts import create_markdown_artifact
 
 from cifar.champion import find_champion
 from cifar.config import PipelineConfig
-from cifar.data.checks import DataValidationError, ValidationReport
 from cifar.data.gate import check_prepared
+from cifar.data.gate_checks import DataValidationError, ValidationReport
 from cifar.results import ArchiveInfo, DataResult, TrainResult, ValidationResult
 from cifar.tracking import failed_validation_run, log_data_validation, resolve_tracking_uri
 
-logger = logging.getLogger("tasks.validation")
+logger = logging.getLogger("tasks.data_gate")
 
 LISTED = 20  # Offending files shown per check in the Prefect report (the JSON report has them all).
 

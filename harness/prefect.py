@@ -1,0 +1,84 @@
+"""A Prefect process isolated from the user's profile, and a REST client that waits out a busy server.
+
+env = prefect_env(tmp / "prefect", api_url)                  # for `prefect ...` and flow subprocesses
+prefect_api.post(f"{api_url}/flow_runs/filter", json={})     # a busy 503, a timed-out read retried
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+
+from harness.processes import BIN_DIR
+
+
+def isolated_prefect_env(
+    home: Path, api_url: str | None = None, *, base: Mapping[str, str] | None = None, **extra: str
+) -> dict[str, str]:
+    """`base` (default: this process's environment) with Prefect pointed at `home`, nothing of the user's
+    profile or PREFECT_* settings, no analytics, no prompts. `api_url=None`: no server (the client starts an
+    ephemeral one)."""
+    base = os.environ if base is None else base
+    env = {key: value for key, value in base.items() if not key.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_PROFILES_PATH=str(Path(home) / "profiles.toml"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_CLI_PROMPT="false",
+    )
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    env.update(extra)
+    return env
+
+
+def prefect_env(home: Path, api_url: str | None = None, **extra: str) -> dict[str, str]:
+    """The environment of a Prefect child process of a test or a bench, isolated in `home` (created): INFO
+    logs, TensorFlow quiet, output unbuffered, this venv's programs first on PATH."""
+    home = Path(home)
+    home.mkdir(parents=True, exist_ok=True)
+    quiet = {"PREFECT_LOGGING_LEVEL": "INFO", "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+    path = f"{BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    return isolated_prefect_env(home, api_url, **{**quiet, "PATH": path, **extra})
+
+
+class BusyRetryingTransport(httpx.HTTPTransport):
+    """Retries as Prefect's own client does: a 429, 502 or 503, which a server answers when it is busy (its
+    SQLite database locked by a scheduler or a flow run writing at that moment), and, for requests that
+    only read, a timeout (the database locked longer than the request may wait, seen in CI with a dozen
+    flow runs starting at once). Neither is a failure of what a test or a check looks at. Writes are not
+    repeated after a timeout: the server may have done them. Serves MLflow's REST API as well."""
+
+    TRANSIENT = (httpx.ReadTimeout, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.RemoteProtocolError)
+    BUSY = {429, 502, 503}
+
+    def __init__(self, attempts: int = 6, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.attempts = attempts
+
+    @staticmethod
+    def reads_only(request: httpx.Request) -> bool:
+        """GET, and the POSTs that only query: Prefect's /filter and /count, MLflow's /search."""
+        return request.method == "GET" or request.url.path.endswith(("/filter", "/count", "/search"))
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        for attempt in range(1, self.attempts):
+            try:
+                response = super().handle_request(request)
+            except self.TRANSIENT:
+                if not self.reads_only(request):
+                    raise
+            else:
+                if response.status_code not in self.BUSY:
+                    return response
+                response.close()
+            time.sleep(2 * attempt)  # Seconds: 30 in all over 6 attempts, like the client's own backoff.
+        return super().handle_request(request)
+
+
+# For the REST calls of tests and checks; 60 s is the Prefect client's own request timeout.
+prefect_api = httpx.Client(transport=BusyRetryingTransport(), timeout=60)

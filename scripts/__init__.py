@@ -1,0 +1,1 @@
+"""The checks `make stack-check` and `make ui-check` run (`python -m scripts.stack_check`, `scripts.ui_check`)."""

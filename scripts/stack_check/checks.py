@@ -1,0 +1,82 @@
+"""The stack check's steps, in order: one list of named functions, whose names are the report's rows."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from harness.compose import write_env_file
+from harness.ports import free_port
+from scripts.stack_check.context import Context
+from scripts.stack_check.drills import check_kill, check_resume, check_search
+from scripts.stack_check.engine import Engine, install_tools
+from scripts.stack_check.images import build_images, choose_bases
+from scripts.stack_check.pipeline import check_mlflow, check_prefect_database, check_restart, check_smoke_run
+from scripts.stack_check.privileges import check_privileges
+from scripts.stack_check.report import Row
+from scripts.stack_check.serving import check_serving
+from scripts.stack_check.stack import Stack
+from scripts.stack_check.teardown import teardown
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str  # Its row in the report.
+    run: Callable[[Context, Row], None]
+
+
+def check_tools(context: Context, row: Row) -> None:
+    context.engine = Engine(context.shell, context.settings.engine)
+    install_tools(context.engine, row, need_mmdebstrap=context.settings.bases != "official")
+
+
+def check_bases(context: Context, row: Row) -> None:
+    context.bases = choose_bases(context.engine, context.settings.bases, context.report, row)
+
+
+def check_images(context: Context, row: Row) -> None:
+    """The compose project's variables (a generated password, free 127.0.0.1 ports, the archive's directory as
+    the workers' read-only /data, the base images), then every image built with them."""
+    password = secrets.token_urlsafe(24)
+    context.shell.hide(password)
+    context.variables = {
+        "POSTGRES_PASSWORD": password,
+        "PREFECT_HOST_PORT": str(free_port()),
+        "MLFLOW_HOST_PORT": str(free_port()),
+        "SERVE_HOST_PORT": str(free_port()),
+        "CIFAR_DATA_DIR": str(context.settings.archive.resolve().parent),
+        **context.bases,
+    }
+    build_images(context.engine, context.variables, context.settings.gpu, context.report, row)
+
+
+def check_stack_up(context: Context, row: Row) -> None:
+    settings, variables = context.settings, context.variables
+    env_file = settings.scratch / "stack.env"
+    write_env_file(env_file, variables)
+    context.stack = Stack(context.engine, settings.project, env_file, variables)
+    seconds = context.stack.up()
+    context.stack.pause_nightly()
+    row.detail = (
+        f"project {settings.project}: postgres, prefect-server, mlflow, worker healthy in {seconds:.0f} s "
+        f"(Prefect 127.0.0.1:{variables['PREFECT_HOST_PORT']}, MLflow 127.0.0.1:{variables['MLFLOW_HOST_PORT']})"
+    )
+
+
+CHECKS = (
+    Step("tools", check_tools),
+    Step("base images", check_bases),
+    Step("images built", check_images),
+    Step("stack up, every service healthy", check_stack_up),
+    Step("cifar/smoke on the archive, through the worker", check_smoke_run),
+    Step("flow run in Prefect's PostgreSQL", check_prefect_database),
+    Step("MLflow run, metrics, champion, artifacts", check_mlflow),
+    Step("stack stopped and started: all still there", check_restart),
+    Step("served champion = reloaded SavedModel", check_serving),
+    Step("worker killed mid-training: CRASHED", check_kill),
+    Step("re-run resumes from the last checkpoint", check_resume),
+    Step("2 workers: 4-trial search, parallel 2", check_search),
+    Step("processes unprivileged, ports on 127.0.0.1", check_privileges),
+)
+TEARDOWN = Step("teardown: nothing left behind", teardown)  # Last, whatever happened before.

@@ -1,0 +1,72 @@
+"""What every check of the stack check is given: the settings, the engine, the stack, and what earlier checks found."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness import REPO_ROOT
+from scripts.stack_check.engine import Engine
+from scripts.stack_check.report import Report
+from scripts.stack_check.shell import Shell
+from scripts.stack_check.stack import Stack
+
+
+def flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0", "false", "no")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The run's settings, from the environment (ENGINE, GPU, BASES, KEEP_STACK, CIFAR_ARCHIVE)."""
+
+    engine: str
+    gpu: bool
+    bases: str  # official, standin or auto: the official base images when they can be pulled.
+    keep: bool  # Leave the stack up at the end.
+    archive: Path
+    project: str  # The throwaway compose project's name.
+    scratch: Path  # Its env file and the command log.
+
+    @classmethod
+    def from_environment(cls) -> Settings:
+        archive = os.environ.get("CIFAR_ARCHIVE", REPO_ROOT.parent / "shared" / "data" / "cifar-10-python.tar.gz")
+        project = f"cifar-check-{secrets.token_hex(4)}"
+        return cls(
+            engine=os.environ.get("ENGINE", "podman"),
+            gpu=flag("GPU"),
+            bases=os.environ.get("BASES", "auto"),
+            keep=flag("KEEP_STACK"),
+            archive=Path(archive),
+            project=project,
+            scratch=Path(tempfile.mkdtemp(prefix=f"{project}-")),
+        )
+
+
+@dataclass
+class Findings:
+    """What one check finds that a later one reads."""
+
+    smoke_flow_run: str = ""
+    smoke_summary: dict[str, Any] = field(default_factory=dict)  # The smoke run's summary.json, as written.
+    mlflow_run_id: str = ""
+    champion_version: str = ""
+    artifact_files: int = 0  # Files on the mlartifacts volume after the smoke run.
+    kill_last_epoch: int = 0  # The last epoch checkpointed before the worker was killed.
+    kill_mlflow_run: str | None = None  # The killed training's MLflow run, which the re-run must continue.
+
+
+@dataclass
+class Context:
+    settings: Settings
+    shell: Shell
+    report: Report
+    findings: Findings = field(default_factory=Findings)
+    engine: Engine | None = None  # Once the tools are there.
+    bases: dict[str, str] = field(default_factory=dict)  # CIFAR_PYTHON_IMAGE, CIFAR_POSTGRES_IMAGE.
+    variables: dict[str, str] = field(default_factory=dict)  # The compose project's env file.
+    stack: Stack | None = None  # Once it is started.
