@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from servers import REPO_ROOT
+
+from harness import REPO_ROOT
 
 SKIPPED_DIRECTORIES = {"tests", "build", "node_modules", "__pycache__"}  # And every hidden one (.venv, .git).
 
