@@ -7,8 +7,8 @@ import secrets
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from cifar.summary import PipelineSummary
 from harness import REPO_ROOT
 from scripts.stack_check.engine import Engine
 from scripts.stack_check.report import Report
@@ -52,7 +52,7 @@ class Findings:
     """What one check finds that a later one reads."""
 
     smoke_flow_run: str = ""
-    smoke_summary: dict[str, Any] = field(default_factory=dict)  # The smoke run's summary.json, as written.
+    smoke_summary: PipelineSummary | None = None  # The smoke run's summary.json.
     mlflow_run_id: str = ""
     champion_version: str = ""
     artifact_files: int = 0  # Files on the mlartifacts volume after the smoke run.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from cifar.summary import PipelineSummary
 from scripts.stack_check.context import Context
 from scripts.stack_check.report import Row
 from scripts.stack_check.shell import StepError
@@ -19,14 +20,16 @@ def check_smoke_run(context: Context, row: Row) -> None:
     started = time.monotonic()
     flow_run_id = stack.deployment_run("cifar/smoke", parameters, watch=True)
     run = stack.wait_flow_run(flow_run_id, {"COMPLETED"}, timeout=120)
-    summary = stack.read_json("worker", f"{WORKDIR}/summary.json")
-    if not summary or summary.get("preset") != "smoke":
-        raise StepError("no smoke summary.json on the workdir volume")
+    values = stack.read_json("worker", f"{WORKDIR}/summary.json")
+    summary = PipelineSummary.model_validate(values) if values else None
+    reached_registry = summary is not None and summary.evaluation and summary.export and summary.promotion
+    if not reached_registry or summary.preset != "smoke":
+        raise StepError("no smoke summary.json of a run to the registry on the workdir volume")
     context.findings.smoke_flow_run, context.findings.smoke_summary = flow_run_id, summary
     row.detail = (
         f"flow run {run['name']} COMPLETED in {time.monotonic() - started:.0f} s; "
-        f"test accuracy {summary['test_accuracy']:.4f}, export v{summary['export_version']}, "
-        f"registry v{summary.get('registered_model_version')} champion={summary.get('champion')}"
+        f"test accuracy {summary.evaluation.test_accuracy:.4f}, export v{summary.export.version}, "
+        f"registry v{summary.promotion.registered_model_version} champion={summary.promotion.champion}"
     )
 
 
@@ -54,14 +57,14 @@ def artifact_files(stack: Stack, experiment_id: str) -> list[str]:
 
 def check_mlflow(context: Context, row: Row) -> None:
     stack, summary = context.stack, context.findings.smoke_summary
-    run_id = summary["mlflow_run_id"]
+    run_id = summary.training.mlflow_run_id
     run = stack.mlflow("runs/get", run_id=run_id)["run"]
     metrics = {metric["key"]: metric["value"] for metric in run["data"].get("metrics", [])}
     if run["info"]["status"] != "FINISHED" or "test_accuracy" not in metrics:
         raise StepError(f"MLflow run {run_id}: {run['info']['status']}, metrics {sorted(metrics)}")
-    if abs(metrics["test_accuracy"] - summary["test_accuracy"]) > 1e-6:
+    if abs(metrics["test_accuracy"] - summary.evaluation.test_accuracy) > 1e-6:
         raise StepError(
-            f"MLflow has test_accuracy {metrics['test_accuracy']}, the run wrote {summary['test_accuracy']}"
+            f"MLflow has test_accuracy {metrics['test_accuracy']}, the run wrote {summary.evaluation.test_accuracy}"
         )
     champion = stack.mlflow("registered-models/alias", name=MODEL_NAME, alias="champion")["model_version"]
     if champion["run_id"] != run_id:

@@ -43,7 +43,7 @@ def check_serving(context: Context, row: Row) -> None:
     started = time.monotonic()
     stack.compose("up", "-d", "serve", profiles=("serve",))
     images, labels, names = first_test_images(context.settings.archive, 100)
-    export_dir = context.findings.smoke_summary["export_dir"]
+    export_dir = context.findings.smoke_summary.export.export_dir
     request = json.dumps({"export_dir": export_dir, "images": images.tolist()})
     reloaded = json.loads(stack.exec("worker", "python", "-c", SAVED_MODEL_PREDICT, input=request, timeout=300).stdout)
     correct = [index for index in range(len(labels)) if reloaded["class_ids"][index] == labels[index]]
