@@ -36,6 +36,8 @@ DRY_RUN_ENV = "CIFAR_DRY_RUN"  # A directory: each flow run writes its resolved 
 STAGE_LOGGERS = ("cifar", "tasks")  # PREFECT_LOGGING_EXTRA_LOGGERS=cifar,tasks also sends them to the API.
 SUPERVISED_ENV = "CIFAR_PIPELINE_SUPERVISED"  # Set in the child: it runs the flow instead of supervising.
 PR_SET_CHILD_SUBREAPER = 36  # prctl option (Linux): orphaned descendants are re-parented to this process.
+EPHEMERAL_STARTUP_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+EPHEMERAL_STARTUP_SECONDS = 90
 
 
 # --- Inside a flow run. ----------------------------------------------------------------------------
@@ -170,7 +172,10 @@ def supervise(script: str, argv: list[str]) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # Its orphans (the Prefect server) become ours to end.
     command = [sys.executable, str(REPO_ROOT / "flows" / f"{script}.py"), *argv]
-    child = subprocess.Popen(command, env={**os.environ, SUPERVISED_ENV: "1"})  # Same process group: Ctrl-C reaches it.
+    environment = {**os.environ, SUPERVISED_ENV: "1"}
+    # Prefect waits 20 s for a run's temporary server; several runs starting at once on 2 busy cores took longer.
+    environment.setdefault(EPHEMERAL_STARTUP_ENV, str(EPHEMERAL_STARTUP_SECONDS))
+    child = subprocess.Popen(command, env=environment)  # Same process group: Ctrl-C reaches it.
     try:
         code = child.wait()
     except KeyboardInterrupt:
