@@ -17,6 +17,7 @@ from pathlib import Path
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from cifar import compat, failpoints
 from cifar.checkpoints import (
@@ -192,6 +193,76 @@ def ema_weights(model: keras.Model):
     finally:
         for variable, value in zip(variables, raw):
             variable.assign(value)
+
+
+def batch_norm_layers(model: keras.Model) -> list[keras.layers.Layer]:
+    """The layers of `model` that keep moving batch statistics (Keras's BatchNormalization and ours)."""
+    return [layer for layer in model.layers if hasattr(layer, "moving_mean") and hasattr(layer, "moving_variance")]
+
+
+def batch_norm_recomputer(model: keras.Model) -> Callable[[tf.data.Dataset], int] | None:
+    """A function that sets every batch norm's moving statistics to the mean and variance of its input over
+    the batches it is given, and returns how many images it used; None for a model without batch norm.
+
+    "Precise BN" (Wu & Johnson 2021, "Rethinking 'Batch' in BatchNorm"): the inputs are computed in
+    training mode, as the layers see them while they train, and each layer gets the population mean and
+    variance over all the images.
+    """
+    layers = batch_norm_layers(model)
+    if not layers:
+        return None
+    # A view of the functional model that returns every batch norm's input (each layer is called once).
+    probe = keras.Model(model.inputs, [layer.input for layer in layers])
+
+    @tf.function(reduce_retracing=True)
+    def moments(images):
+        # Training mode: batch statistics, as in training (it also moves the moving statistics, which are
+        # overwritten below). Per layer: positions (images x height x width), per-channel sums and squares.
+        outputs = [tf.cast(output, tf.float32) for output in probe(images, training=True)]
+        values = [tf.reshape(output, [-1, output.shape[-1]]) for output in outputs]
+        return [
+            (tf.cast(tf.shape(x)[0], tf.float32), tf.reduce_sum(x, 0), tf.reduce_sum(tf.square(x), 0)) for x in values
+        ]
+
+    def recompute(batches: tf.data.Dataset) -> int:
+        totals, images = None, 0
+        for batch, _ in batches:
+            sums = moments(batch)
+            totals = sums if totals is None else [tuple(map(tf.add, old, new)) for old, new in zip(totals, sums)]
+            images += int(batch.shape[0])
+        if totals is None:
+            raise ValueError("no images to recompute the batch-norm statistics from")
+        for layer, (count, total, squares) in zip(layers, totals):
+            mean = total / count
+            layer.moving_mean.assign(mean)
+            # E[x^2] - E[x]^2 in float32 over 10^5-10^6 positions, clipped at 0 against round-off.
+            layer.moving_variance.assign(tf.maximum(squares / count - tf.square(mean), 0.0))
+        return images
+
+    return recompute
+
+
+class PreciseBatchNorm(keras.callbacks.Callback):
+    """Before each validation, recomputes the batch-norm statistics from training images (`train.precise_bn_images`).
+
+    The moving averages trail the weights: at the ResNet recipes' momentum 0.997 they average the last
+    ~330 steps, over which early training at rate 0.1 moves the weights far, and 55 stale layers
+    compound into a validation at chance for the first epochs. Training normalises with each batch's
+    own statistics, so this changes what validation, the checkpoints and the export see, never a
+    gradient. Runs after `SwapEMAWeights`, so with EMA the statistics are those of the EMA weights.
+    """
+
+    def __init__(self, batches: tf.data.Dataset):
+        super().__init__()
+        self.batches = batches
+        self._recompute: Callable[[tf.data.Dataset], int] | None = None
+
+    def on_train_begin(self, logs=None):
+        self._recompute = batch_norm_recomputer(self.model)
+
+    def on_test_begin(self, logs=None):
+        if self._recompute is not None:
+            self._recompute(self.batches)
 
 
 class EpochCheckpoint(keras.callbacks.Callback):

@@ -238,6 +238,13 @@ class TrainConfig(Section):
     )
     label_smoothing: float = Field(0.0, ge=0, lt=1)
     ema_decay: float | None = Field(None, gt=0, lt=1, description="Weight EMA decay; None disables EMA.")
+    precise_bn_images: int = Field(
+        1024,
+        ge=0,
+        le=50_000,
+        description="Before each validation, batch-norm statistics recomputed from this many training images "
+        "(precise BN); 0 keeps the moving averages.",
+    )
     augment: bool = True
     crop_padding: int | None = Field(
         None, ge=0, le=15, description="Random-translation padding in pixels; None = 4 for 32x32 inputs."

@@ -7,14 +7,21 @@ below; the measurements: docs/BENCHMARKS.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 
 import keras
+import numpy as np
 import tensorflow as tf
 
+from cifar import locks
 from cifar.config import TrainConfig
+from cifar.io import atomic_write_json, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -51,28 +58,52 @@ def gpu_compute_capabilities(num_gpus: int) -> list[tuple[int, int]]:
     return [tuple(capability) for capability in capabilities if capability is not None]
 
 
-def resolve_precision(train: TrainConfig, num_gpus: int) -> str:
+@dataclasses.dataclass(frozen=True)
+class PrecisionChoice:
+    """The Keras dtype policy a run uses, how it was chosen, and the measured speeds behind a measured choice."""
+
+    precision: str
+    reason: str  # "configured", "gpu", "no bf16 instructions", "measured", "remembered", "multi-worker"
+    images_per_second: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def settings(self) -> dict[str, str]:
+        """As strings for the run's tags and params: `precision_reason`, `precision_float32_images_per_second`, ..."""
+        settings = {"precision": self.precision, "precision_reason": self.reason}
+        for precision, speed in sorted(self.images_per_second.items()):
+            settings[f"precision_{precision}_images_per_second"] = f"{speed:.1f}"
+        return settings
+
+
+def resolve_precision(
+    train: TrainConfig, num_gpus: int, *, num_workers: int = 1, measure: Callable[..., dict[str, float]] | None = None
+) -> PrecisionChoice:
     """The Keras dtype policy: the configured one, or for "auto" the fastest safe one on this machine.
 
     "auto": on GPUs mixed_bfloat16 when every GPU used has compute capability >= 8.0 (no loss
-    scaling needed), else mixed_float16; on CPU mixed_bfloat16 when the CPU has bfloat16
-    instructions (emulated bfloat16 is slower than float32), else float32. On a 2-core Xeon with
-    AMX-BF16, mixed_bfloat16 (oneDNN on AMX tiles) with the fused batch norm trained ResNet-20
-    2.7-3.6x faster than stock float32 Keras; the fused GELU (`cifar.layers.Gelu`, one XLA kernel
-    forward and one backward instead of a dozen bfloat16 passes) trained the fast net 1.7x faster.
+    scaling needed), else mixed_float16. On a CPU without bfloat16 instructions float32 (emulated
+    bfloat16 is slower). On a CPU with them it depends on the CPU: bfloat16 was 1.5x float32 on an
+    AMD EPYC and 3x with AMX, yet 0.64-0.75x on a Xeon with AVX512-BF16 but no AMX exposed
+    (docs/BENCHMARKS.md; with AMX and the fused batch norm ResNet-20 trained 2.7-3.6x faster than stock
+    float32 Keras), so a few timed steps of the run's own model decide, remembered per CPU,
+    model and library versions (`measure` replaces the timing in tests). A multi-worker run does not
+    measure: every worker must pick the same policy, and noise could split them.
     """
     if num_gpus < 0:
         raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
     if train.precision != "auto":
         if train.precision == "mixed_bfloat16" and num_gpus == 0 and not cpu_supports_bf16():
             logger.warning("mixed_bfloat16 requested on a CPU without bfloat16 instructions: expect it to be slow")
-        return train.precision
+        return PrecisionChoice(train.precision, "configured")
     if num_gpus > 0:
         capabilities = gpu_compute_capabilities(num_gpus)
         if capabilities and all(capability >= BF16_GPU_COMPUTE_CAPABILITY for capability in capabilities):
-            return "mixed_bfloat16"
-        return "mixed_float16"
-    return "mixed_bfloat16" if cpu_supports_bf16() else "float32"
+            return PrecisionChoice("mixed_bfloat16", "gpu")
+        return PrecisionChoice("mixed_float16", "gpu")
+    if not cpu_supports_bf16():
+        return PrecisionChoice("float32", "no bf16 instructions")
+    if num_workers > 1:
+        return PrecisionChoice("mixed_bfloat16", "multi-worker")
+    return measured_cpu_precision(train, measure or measure_images_per_second)
 
 
 def resolve_jit_compile(train: TrainConfig, num_gpus: int) -> bool:
@@ -92,7 +123,12 @@ def onednn_enabled() -> bool:
 
 
 def configure_performance(
-    train: TrainConfig, num_gpus: int, *, intra_op_threads: int | None = None, inter_op_threads: int | None = None
+    train: TrainConfig,
+    num_gpus: int,
+    *,
+    num_workers: int = 1,
+    intra_op_threads: int | None = None,
+    inter_op_threads: int | None = None,
 ) -> dict[str, str]:
     """Applies precision policy, threading, jit choice; returns the resolved settings for logging.
 
@@ -101,9 +137,9 @@ def configure_performance(
     left on: TF reads TF_ENABLE_ONEDNN_OPTS at import, so it can only be reported here.
     Under mixed_float16 `keras.Model.compile` wraps the optimizer in a LossScaleOptimizer itself.
     """
-    precision = resolve_precision(train, num_gpus)
+    choice = resolve_precision(train, num_gpus, num_workers=num_workers)
     jit_compile = resolve_jit_compile(train, num_gpus)
-    keras.mixed_precision.set_global_policy(precision)
+    keras.mixed_precision.set_global_policy(choice.precision)
 
     for setter, threads, what in (
         (tf.config.threading.set_intra_op_parallelism_threads, intra_op_threads, "intra-op"),
@@ -125,7 +161,7 @@ def configure_performance(
         logger.warning("TF_ENABLE_ONEDNN_OPTS=0 turns off oneDNN: CPU convolutions and bfloat16 will be slow")
     return {
         "device": f"gpu x{num_gpus}" if num_gpus else "cpu",
-        "precision": precision,
+        **choice.settings(),
         "jit_compile": str(jit_compile).lower(),
         "fused_batchnorm": str(train.fused_batchnorm).lower(),
         "fused_gelu": str(train.fused_gelu).lower(),
@@ -135,3 +171,122 @@ def configure_performance(
         "intra_op_threads": str(tf.config.threading.get_intra_op_parallelism_threads() or "default"),
         "inter_op_threads": str(tf.config.threading.get_inter_op_parallelism_threads() or "default"),
     }
+
+
+# bfloat16 must beat float32 by this much to be chosen: float32 is exact, and a smaller gain is within
+# the noise of a few timed steps on a shared machine.
+BF16_MIN_SPEEDUP = 1.05
+PRECISION_CACHE_ENV = "CIFAR_CACHE_DIR"  # Where measured choices are remembered (default ~/.cache/cifar).
+MEASURED_PRECISIONS = ("float32", "mixed_bfloat16")
+MEASURE_BATCH_SIZE = 128  # Images per timed step (the run's batch when smaller).
+MEASURE_WARMUP_STEPS = 3  # Tracing and oneDNN primitive creation happen here, untimed.
+MEASURE_MIN_STEPS = 4
+MEASURE_MIN_SECONDS = 2.0
+
+
+def precision_cache_path() -> Path:
+    """The file that remembers measured choices: $CIFAR_CACHE_DIR, else $XDG_CACHE_HOME/cifar or ~/.cache/cifar."""
+    directory = os.environ.get(PRECISION_CACHE_ENV)
+    if not directory:
+        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        directory = Path(base) / "cifar"
+    return Path(directory) / "precision.json"
+
+
+def cpu_model_name(cpuinfo_path: str | Path = "/proc/cpuinfo") -> str:
+    try:
+        for line in Path(cpuinfo_path).read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def precision_cache_key(train: TrainConfig) -> str:
+    """What the measured speeds depend on: the CPU, the libraries, and the model as this run builds it."""
+    parts = [
+        cpu_model_name(),
+        ",".join(cpu_bf16_flags()) or "no-bf16",
+        f"tf {tf.__version__}",
+        f"keras {keras.__version__}",
+        f"onednn {'on' if onednn_enabled() else 'off'}",
+        train.model,
+        f"batch {min(train.batch_size, MEASURE_BATCH_SIZE)}",
+        f"fused_batchnorm {train.fused_batchnorm}",
+        f"fused_gelu {train.fused_gelu}",
+    ]
+    return " | ".join(parts)
+
+
+def measured_cpu_precision(train: TrainConfig, measure: Callable[..., dict[str, float]]) -> PrecisionChoice:
+    """float32 or mixed_bfloat16, whichever trains this model faster here: remembered, else measured now."""
+    path, key = precision_cache_path(), precision_cache_key(train)
+    with locks.exclusive(path.with_name(path.name + ".lock"), "the precision measurements"):
+        cache = _read_cache(path)
+        if key in cache:
+            speeds, reason = cache[key]["images_per_second"], "remembered"
+        else:
+            logger.info("Timing a few training steps of %s in float32 and mixed_bfloat16 on this CPU", train.model)
+            speeds, reason = measure(train), "measured"
+            cache[key] = {"images_per_second": speeds, "measured_at": f"{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}"}
+            atomic_write_json(path, cache)
+    faster = speeds["mixed_bfloat16"] >= BF16_MIN_SPEEDUP * speeds["float32"]
+    choice = PrecisionChoice("mixed_bfloat16" if faster else "float32", reason, dict(speeds))
+    logger.info(
+        "Precision %s (%s: float32 %.0f, mixed_bfloat16 %.0f images/s for %s on %s)",
+        choice.precision,
+        reason,
+        speeds["float32"],
+        speeds["mixed_bfloat16"],
+        train.model,
+        cpu_model_name(),
+    )
+    return choice
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        cache = read_json(path)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:  # A damaged cache is measured again, not trusted.
+        logger.warning("Ignoring the unreadable precision cache %s: %s", path, error)
+        return {}
+    return cache if isinstance(cache, dict) else {}
+
+
+def measure_images_per_second(train: TrainConfig) -> dict[str, float]:
+    """Training images per second of the run's model in each precision: a compiled SGD step on one fixed batch."""
+    from cifar.models import build_model, input_size  # The model zoo is only needed when measuring.
+
+    batch_size, size = min(train.batch_size, MEASURE_BATCH_SIZE), input_size(train.model)
+    random = np.random.default_rng(0)
+    images = tf.constant(random.integers(0, 256, (batch_size, size, size, 3), dtype=np.uint8))
+    labels = tf.constant(random.integers(0, 10, batch_size, dtype=np.int32))
+    speeds = {}
+    try:
+        for precision in MEASURED_PRECISIONS:
+            keras.mixed_precision.set_global_policy(precision)
+            model = build_model(
+                train.model,
+                mean=[0.5] * 3,
+                std=[0.25] * 3,
+                fused_batchnorm=train.fused_batchnorm,
+                fused_gelu=train.fused_gelu,
+            )
+            model.compile(
+                optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
+            for _ in range(MEASURE_WARMUP_STEPS):
+                model.train_on_batch(images, labels)
+            steps, start = 0, time.perf_counter()
+            while steps < MEASURE_MIN_STEPS or time.perf_counter() - start < MEASURE_MIN_SECONDS:
+                model.train_on_batch(images, labels)
+                steps += 1
+            speeds[precision] = steps * batch_size / (time.perf_counter() - start)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+        keras.backend.clear_session()
+    return speeds

@@ -27,6 +27,7 @@ from cifar.callbacks import (
     EpochStatistics,
     Lookahead,
     MetricsLogger,
+    PreciseBatchNorm,
     TrainingDivergedError,
 )
 from cifar.checkpoints import CheckpointIndex, RunDirectory, history_rows, load_index
@@ -279,7 +280,7 @@ def _train(
         return finished
     run.check_key(job.key)  # A named run (`train.run_name`) made under another key is refused, not overwritten.
 
-    performance = configure_performance(job.train, len(job.plan.gpu_ids))
+    performance = configure_performance(job.train, len(job.plan.gpu_ids), num_workers=job.plan.num_workers)
     keras.utils.set_random_seed(config.seed)
     if job.train.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -367,6 +368,19 @@ def _whitening_images(job: TrainingJob, count: int = 5_000) -> np.ndarray:
     return images.numpy()
 
 
+def _precise_bn_batches(job: TrainingJob) -> tf.data.Dataset:
+    """The first `train.precise_bn_images` training images, as they are (no augmentation), in training batches.
+
+    The same images on every worker of a multi-worker run, so every replica gets the same statistics.
+    """
+    train_splits, _ = training_splits(job.config, job.manifest)
+    batch_size = min(job.train.batch_size, job.train.precise_bn_images)
+    dataset = make_eval_dataset(
+        job.data_dir, splits=train_splits, batch_size=batch_size, image_size=input_size(job.train.model)
+    )
+    return dataset.take(-(-job.train.precise_bn_images // batch_size)).cache()
+
+
 def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict[str, str]) -> str:
     """The pipeline's MLflow run id: the one in state.json if the store still has it, else a new one.
 
@@ -401,6 +415,8 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
         name = tracking.human_run_name(job.config)
         run_id = tracking.create_run(uri, job.workdir, job.config.tracking.experiment, name, tags)
         params = {key: value for key, value in job.config.flat().items() if key != "tracking.run_name"}
+        # What `train.precision: auto` resolved to on the machine that started the run (tags: each attempt's).
+        params["performance.precision"] = performance["precision"]
         tracking.log_params(uri, run_id, params)
         with tracking.use_run(uri, run_id):
             mlflow.log_input(tracking.manifest_dataset(job.manifest, job.data_dir), context="training")
@@ -426,6 +442,8 @@ def _callbacks(
     callbacks: list[keras.callbacks.Callback] = [EpochStatistics(train.batch_size), DivergenceGuard()]
     if train.ema_decay is not None:
         callbacks.append(keras.callbacks.SwapEMAWeights())  # Validate with the EMA weights.
+    if train.precise_bn_images and training_splits(job.config, job.manifest)[1]:
+        callbacks.append(PreciseBatchNorm(_precise_bn_batches(job)))  # After the EMA swap: the weights validated.
     if train.lookahead_steps is not None:
         callbacks.append(Lookahead(train.lookahead_steps, job.steps_per_epoch, job.steps_per_epoch * train.epochs))
     callbacks.append(checkpointer)

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# Measured precision choices (cifar.performance) are remembered for the session, not in the user's ~/.cache;
+# the test processes and the pipelines they start share it.
+os.environ.setdefault("CIFAR_CACHE_DIR", tempfile.mkdtemp(prefix="cifar-test-cache-"))
 
 import pytest
 

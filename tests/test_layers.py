@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 from keras import layers
 
+from cifar.callbacks import batch_norm_recomputer
 from cifar.layers import (
     ChannelPadding,
     FusedBatchNormalization,
@@ -228,3 +229,49 @@ def test_gelu_under_mixed_bfloat16_rounds_only_its_output(mixed_bfloat16):
         assert outputs.dtype == tf.bfloat16
         np.testing.assert_allclose(tf.cast(outputs, tf.float32).numpy(), reference, rtol=8e-3, atol=8e-3)
         assert tape.gradient(outputs, values).dtype == tf.float32
+
+
+def _two_bn_model() -> keras.Model:
+    """conv -> fused BN -> relu -> conv -> Keras BN -> logits: the second BN's input depends on the first."""
+    inputs = keras.Input((8, 8, 3))
+    x = layers.Conv2D(4, 3, padding="same", use_bias=False, name="conv1")(inputs)
+    x = FusedBatchNormalization(momentum=0.997, epsilon=EPSILON, name="bn1")(x)
+    x = layers.ReLU()(x)
+    x = layers.Conv2D(5, 3, padding="same", use_bias=False, name="conv2")(x)
+    x = layers.BatchNormalization(momentum=0.997, epsilon=EPSILON, name="bn2")(x)
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(10)(x))
+
+
+def test_precise_bn_sets_each_layer_to_the_population_statistics_of_its_training_mode_input():
+    keras.utils.set_random_seed(0)
+    model = _two_bn_model()
+    rng = np.random.default_rng(1)
+    batches = [(rng.normal(size=(6, 8, 8, 3)) * 2.0 + 1.0).astype("float32") for _ in range(3)]
+    dataset = tf.data.Dataset.from_tensor_slices((np.concatenate(batches), np.zeros(18, "int32"))).batch(6)
+
+    recompute = batch_norm_recomputer(model)
+    assert recompute(dataset) == 18
+
+    # The reference in NumPy: each batch normalised with its own statistics, as in training.
+    conv1, conv2 = model.get_layer("conv1"), model.get_layer("conv2")
+    bn1 = model.get_layer("bn1")
+    first, second = [], []
+    for batch in batches:
+        x1 = conv1(batch).numpy()
+        first.append(x1.reshape(-1, 4))
+        mean, variance = x1.mean(axis=(0, 1, 2)), x1.var(axis=(0, 1, 2))
+        y = (x1 - mean) / np.sqrt(variance + EPSILON) * bn1.gamma.numpy() + bn1.beta.numpy()
+        second.append(conv2(np.maximum(y, 0.0)).numpy().reshape(-1, 5))
+    for name, inputs in (("bn1", np.concatenate(first)), ("bn2", np.concatenate(second))):
+        layer = model.get_layer(name)
+        np.testing.assert_allclose(layer.moving_mean.numpy(), inputs.mean(axis=0), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(layer.moving_variance.numpy(), inputs.var(axis=0), rtol=1e-3, atol=1e-5)
+    # Inference now uses those statistics: the moving ones are no longer the initial zeros and ones.
+    assert not np.allclose(bn1.moving_variance.numpy(), 1.0)
+
+
+def test_precise_bn_leaves_a_model_without_batch_norm_alone():
+    inputs = keras.Input((8, 8, 3))
+    model = keras.Model(inputs, layers.Dense(10)(layers.Flatten()(inputs)))
+    assert batch_norm_recomputer(model) is None

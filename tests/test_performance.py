@@ -3,9 +3,12 @@ bfloat16 training with the fused batch norm still learns."""
 
 from __future__ import annotations
 
+import json
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from cifar import performance
 from cifar.config import TrainConfig
@@ -13,6 +16,15 @@ from cifar.data.synthetic import make_split
 from cifar.models import build_model
 
 CPUINFO_FLAGS = "fpu vme de pse tsc msr pae mce cx8 apic sep avx2 avx512f avx512bw"
+
+
+BF16_FASTER = lambda train: {"float32": 200.0, "mixed_bfloat16": 300.0}  # noqa: E731 (a fake measurement)
+
+
+@pytest.fixture(autouse=True)
+def own_precision_cache(tmp_path, monkeypatch):
+    """Each test remembers measured precisions in a cache of its own."""
+    monkeypatch.setenv(performance.PRECISION_CACHE_ENV, str(tmp_path / "cache"))
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +75,7 @@ def test_cpu_supports_bf16_is_false_without_cpuinfo(tmp_path):
 @pytest.mark.parametrize(
     "cpu_bf16,gpus,num_gpus,expected",
     [
-        (True, [], 0, "mixed_bfloat16"),  # Sapphire Rapids and newer: AMX.
+        (True, [], 0, "mixed_bfloat16"),  # Sapphire Rapids and newer (AMX), AMD EPYC: measured faster.
         (False, [], 0, "float32"),  # Emulated bfloat16 would be slower than float32.
         (True, [(8, 0)], 1, "mixed_bfloat16"),  # A100.
         (False, [(9, 0), (9, 0)], 2, "mixed_bfloat16"),  # H100s.
@@ -74,14 +86,16 @@ def test_cpu_supports_bf16_is_false_without_cpuinfo(tmp_path):
 )
 def test_auto_precision_per_device(machine, cpu_bf16, gpus, num_gpus, expected):
     machine(cpu_bf16=cpu_bf16, gpus=gpus)
-    assert performance.resolve_precision(TrainConfig(precision="auto"), num_gpus) == expected
+    choice = performance.resolve_precision(TrainConfig(precision="auto"), num_gpus, measure=BF16_FASTER)
+    assert choice.precision == expected
 
 
 @pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16", "mixed_float16"])
 def test_explicit_precision_is_kept(machine, precision):
     machine(cpu_bf16=False, gpus=[(8, 0)])
     for num_gpus in (0, 1):
-        assert performance.resolve_precision(TrainConfig(precision=precision), num_gpus) == precision
+        choice = performance.resolve_precision(TrainConfig(precision=precision), num_gpus)
+        assert (choice.precision, choice.reason) == (precision, "configured")
 
 
 @pytest.mark.parametrize(
@@ -108,13 +122,16 @@ def test_onednn_enabled_reads_the_environment(monkeypatch, value, expected):
     assert performance.onednn_enabled() is expected
 
 
-def test_configure_performance_sets_the_policy_and_reports_strings(machine):
+def test_configure_performance_sets_the_policy_and_reports_strings(machine, monkeypatch):
     machine(cpu_bf16=True)
+    monkeypatch.setattr(performance, "measure_images_per_second", BF16_FASTER)
     settings = performance.configure_performance(TrainConfig(precision="auto", jit_compile="auto"), 0)
     assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
     assert settings["precision"] == "mixed_bfloat16"
     assert settings["jit_compile"] == "false"
     assert settings["device"] == "cpu"
+    assert settings["precision_mixed_bfloat16_images_per_second"] == "300.0"
+    assert settings["precision_reason"] in ("measured", "remembered")
     assert all(isinstance(key, str) and isinstance(value, str) for key, value in settings.items())
 
     machine(cpu_bf16=False, gpus=[(7, 0)])
@@ -145,3 +162,71 @@ def test_bfloat16_training_with_fused_batchnorm_converges():
     assert all(np.isfinite(losses))
     assert losses[-1] < 0.5 * losses[0], f"loss should fall by half: {losses}"
     assert history["accuracy"][-1] > 0.5, f"accuracy should beat chance (0.1) clearly: {history['accuracy']}"
+
+
+class Timings:
+    """A fake measurement that counts its calls."""
+
+    def __init__(self, float32: float, bfloat16: float) -> None:
+        self.speeds = {"float32": float32, "mixed_bfloat16": bfloat16}
+        self.calls = 0
+
+    def __call__(self, train: TrainConfig) -> dict[str, float]:
+        self.calls += 1
+        return dict(self.speeds)
+
+
+@pytest.mark.parametrize(
+    "float32,bfloat16,expected",
+    [
+        (194.0, 145.0, "float32"),  # The 2-core Xeon without AMX exposed (issue 36): bf16 0.75x.
+        (200.0, 300.0, "mixed_bfloat16"),  # AMD EPYC: bf16 1.5x.
+        (200.0, 205.0, "float32"),  # Within the noise: float32 is exact, so it wins the tie.
+    ],
+)
+def test_auto_on_a_bf16_cpu_picks_the_faster_precision_as_measured(machine, float32, bfloat16, expected):
+    machine(cpu_bf16=True)
+    timings = Timings(float32, bfloat16)
+    choice = performance.resolve_precision(TrainConfig(model="resnet56"), 0, measure=timings)
+    assert (choice.precision, choice.reason, timings.calls) == (expected, "measured", 1)
+    assert choice.images_per_second == timings.speeds
+    assert choice.settings()["precision_float32_images_per_second"] == f"{float32:.1f}"
+
+
+def test_a_measured_choice_is_remembered_per_model_and_machine(machine):
+    machine(cpu_bf16=True)
+    timings = Timings(194.0, 145.0)
+    for _ in range(2):
+        choice = performance.resolve_precision(TrainConfig(model="resnet56"), 0, measure=timings)
+        assert choice.precision == "float32"
+    assert (timings.calls, choice.reason) == (1, "remembered")
+    performance.resolve_precision(TrainConfig(model="resnet20"), 0, measure=timings)  # Another model: measured.
+    assert timings.calls == 2
+    cache = json.loads(performance.precision_cache_path().read_text())
+    key = performance.precision_cache_key(TrainConfig(model="resnet56"))
+    assert cache[key]["images_per_second"] == {"float32": 194.0, "mixed_bfloat16": 145.0}
+    assert performance.cpu_model_name() in key and tf.__version__ in key and keras.__version__ in key
+
+
+def test_a_damaged_precision_cache_is_measured_again(machine):
+    machine(cpu_bf16=True)
+    path = performance.precision_cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    timings = Timings(194.0, 145.0)
+    assert performance.resolve_precision(TrainConfig(), 0, measure=timings).reason == "measured"
+    assert timings.calls == 1 and json.loads(path.read_text())
+
+
+def test_a_multi_worker_run_does_not_measure(machine):
+    machine(cpu_bf16=True)
+    timings = Timings(194.0, 145.0)
+    choice = performance.resolve_precision(TrainConfig(), 0, num_workers=2, measure=timings)
+    assert (choice.precision, choice.reason, timings.calls) == ("mixed_bfloat16", "multi-worker", 0)
+
+
+def test_measuring_times_the_model_in_both_precisions_and_restores_float32():
+    speeds = performance.measure_images_per_second(TrainConfig(model="tiny", batch_size=32))
+    assert set(speeds) == {"float32", "mixed_bfloat16"}
+    assert all(speed > 0 for speed in speeds.values())
+    assert keras.mixed_precision.global_policy().name == "float32"

@@ -258,3 +258,24 @@ def test_weight_decay_applies_to_kernels_only():
     expected = 1e-4 * float(np.sum(kernel.numpy() ** 2))
     assert float(kernel.regularizer(kernel)) == pytest.approx(expected, rel=1e-5)
     assert add_weight_decay(build_model("tiny"), 0.0) == []
+
+
+@pytest.mark.parametrize("precise_bn_images", [0, 64])
+def test_validation_and_checkpoints_use_precise_batch_norm_statistics(data_dir, tmp_path, precise_bn_images):
+    """With precise BN the checkpoint holds the statistics of the first training images; without, the lagging
+    moving averages (two steps at momentum 0.997 leave them near their initial zeros and ones)."""
+    from cifar.callbacks import batch_norm_recomputer
+    from cifar.input_pipeline import make_eval_dataset
+
+    config = tiny_config(model="resnet8", epochs=1, steps_per_epoch=2, precise_bn_images=precise_bn_images)
+    result = train(config, data_dir, tmp_path)
+    entry = load_index(result.checkpoint_dir).latest
+    model = keras.models.load_model(Path(result.checkpoint_dir) / entry.model_path, compile=False)
+    saved = model.get_layer("stem_bn").moving_variance.numpy().copy()
+    if not precise_bn_images:
+        assert np.allclose(saved, 1.0, atol=0.05)
+        return
+    batches = make_eval_dataset(data_dir, splits=["train"], batch_size=32, image_size=32).take(2)
+    assert batch_norm_recomputer(model)(batches) == 64
+    np.testing.assert_allclose(saved, model.get_layer("stem_bn").moving_variance.numpy(), rtol=1e-4)
+    assert not np.allclose(saved, 1.0, atol=0.05)
