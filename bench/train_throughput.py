@@ -149,6 +149,32 @@ def measure(model_name: str, args: argparse.Namespace) -> list[tuple[Variant, fl
     return [(variant, args.steps * args.batch_size / elapsed) for variant, elapsed in zip(variants, seconds)]
 
 
+def training_flops_per_image(model: keras.Model) -> float:
+    """Multiply-adds of the convolutions and dense layers, x2 (FLOPs) x3 (forward, input and weight gradients)."""
+    multiply_adds = 0
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.Conv2D):
+            height, width = layer.output.shape[1:3]
+            multiply_adds += height * width * int(np.prod(layer.kernel.shape))
+        elif isinstance(layer, keras.layers.Dense):
+            multiply_adds += int(np.prod(layer.kernel.shape))
+    return 2.0 * 3.0 * multiply_adds
+
+
+def matmul_peak(precision: str, size: int = 2048, repeats: int = 10) -> float:
+    """FLOP/s of a large square matmul in the variant's compute dtype: what oneDNN reaches on this CPU."""
+    dtype = tf.bfloat16 if precision == "mixed_bfloat16" else tf.float32
+    a = tf.random.normal((size, size), dtype=tf.float32)
+    a, b = tf.cast(a, dtype), tf.cast(tf.transpose(a), dtype)
+    product = tf.function(lambda x, y: tf.matmul(x, y))
+    product(a, b).numpy()  # Warm-up: oneDNN's primitive is created here.
+    start = time.perf_counter()
+    for _ in range(repeats):
+        result = product(a, b)
+    result.numpy()
+    return 2.0 * size**3 * repeats / (time.perf_counter() - start)
+
+
 def machine_description(load_at_start: str) -> str:
     """The shared machine line plus whether the CPU has bfloat16 math and oneDNN is on."""
     return (
@@ -157,13 +183,22 @@ def machine_description(load_at_start: str) -> str:
     )
 
 
-def markdown_table(results: dict[str, list[tuple[Variant, float]]], batch_size: int) -> str:
-    lines = [f"| model | variant | images/s (batch {batch_size}) | vs stock fp32 |", "|---|---|---:|---:|"]
+def markdown_table(
+    results: dict[str, list[tuple[Variant, float]]], batch_size: int, flops: dict[str, float], peaks: dict[str, float]
+) -> str:
+    """One row per model and variant; GFLOP/s counts conv and dense math only, against a large matmul's rate."""
+    lines = [
+        f"| model | variant | images/s (batch {batch_size}) | vs stock fp32 | GFLOP/s | share of the matmul peak |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for model_name, rows in results.items():
         stock = rows[0][1]
         for variant, images_per_second in rows:
-            ratio = images_per_second / stock
-            lines.append(f"| {model_name} | {variant.label} | {images_per_second:,.0f} | {ratio:.2f}x |")
+            rate = images_per_second * flops[model_name]
+            lines.append(
+                f"| {model_name} | {variant.label} | {images_per_second:,.0f} | {images_per_second / stock:.2f}x "
+                f"| {rate / 1e9:,.0f} | {100 * rate / peaks[variant.precision]:.0f} % |"
+            )
     return "\n".join(lines)
 
 
@@ -171,7 +206,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     load_at_start = common.load_average()
     results = {model_name: measure(model_name, args) for model_name in args.models}
-    table = markdown_table(results, args.batch_size)
+    flops = {name: training_flops_per_image(compiled_model(name, STOCK)) for name in args.models}
+    peaks = {precision: matmul_peak(precision) for precision in ("float32", "mixed_bfloat16")}
+    table = markdown_table(results, args.batch_size, flops, peaks)
+    peak_line = ", ".join(f"{precision} {rate / 1e9:,.0f} GFLOP/s" for precision, rate in peaks.items())
     print(table)
     if args.write_docs:
         command = common.command_line("train_throughput.py", argv)
@@ -184,7 +222,10 @@ def main(argv: list[str] | None = None) -> None:
             "`fused_batchnorm=True` (cifar.layers.FusedBatchNormalization) and, in the fast net,\n"
             "`fused_gelu=True` (cifar.layers.Gelu: XLA-fused GELU kernels) with the `mixed_bfloat16` policy;\n"
             '"stock" is Keras\'s BatchNormalization and GELU in float32. The tutorial CNN has no batch norm, so\n'
-            'its gain is bfloat16 alone. XLA is off (for the whole step) except in the "+ XLA" rows.\n\n'
+            'its gain is bfloat16 alone. XLA is off (for the whole step) except in the "+ XLA" rows.\n'
+            "GFLOP/s: the convolutions' and dense layers' multiply-adds x 2 x 3 (forward, input and weight\n"
+            "gradients) per image; the peak is a 2,048 x 2,048 matmul's rate in the same precision on this\n"
+            f"machine ({peak_line}).\n\n"
             f"Command: `{command}`\n\n"
             f"Machine: {machine_description(load_at_start)}{note}\n\n"
             f"{table}\n"

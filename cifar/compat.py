@@ -166,3 +166,19 @@ def raw_input_signature(signature):
     """
     signature._is_signature_from_type_hint = True
     return signature
+
+
+def profiled_op_times(xplane_path: str) -> list[dict]:
+    """Per-op rows (`type`, `operation`, `occurrences`, `total_self_time` in µs, ...) of a TF profiler trace.
+    TF 2.21 writes the trace as an XSpace protobuf; only the private `_pywrap_profiler_plugin` (what
+    TensorBoard's profile plugin calls) turns it into the "framework_op_stats" table (bench/profile_step.py)."""
+    import json
+
+    from tensorflow.python.profiler.internal import _pywrap_profiler_plugin
+
+    data, ok = _pywrap_profiler_plugin.xspace_to_tools_data([xplane_path], "framework_op_stats", {})
+    if not ok:
+        raise RuntimeError(f"the profiler could not read {xplane_path}: {data[:200]!r}")
+    table = json.loads(data)[0]
+    columns = [column["id"] for column in table["cols"]]
+    return [dict(zip(columns, (cell.get("v") if cell else None for cell in row["c"]))) for row in table["rows"]]

@@ -230,3 +230,20 @@ def test_measuring_times_the_model_in_both_precisions_and_restores_float32():
     assert set(speeds) == {"float32", "mixed_bfloat16"}
     assert all(speed > 0 for speed in speeds.values())
     assert keras.mixed_precision.global_policy().name == "float32"
+
+
+def test_the_profiler_trace_of_a_training_step_names_its_convolutions(tmp_path):
+    """bench/profile_step.py reads TF's profiler through cifar.compat (a private TF API, tied to the pin)."""
+    from cifar import compat
+
+    model = build_model("tiny", mean=[0.5] * 3, std=[0.25] * 3)
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    images, labels = np.zeros((8, 32, 32, 3), np.uint8), np.zeros(8, np.int32)
+    model.train_on_batch(images, labels)
+    tf.profiler.experimental.start(str(tmp_path))
+    model.train_on_batch(images, labels)
+    tf.profiler.experimental.stop()
+    rows = compat.profiled_op_times(str(next(tmp_path.rglob("*.xplane.pb"))))
+    types = {row["type"] for row in rows}
+    assert any("Conv2DBackpropFilter" in name for name in types), types
+    assert all(row["total_self_time"] >= 0 for row in rows)
