@@ -182,3 +182,20 @@ def profiled_op_times(xplane_path: str) -> list[dict]:
     table = json.loads(data)[0]
     columns = [column["id"] for column in table["cols"]]
     return [dict(zip(columns, (cell.get("v") if cell else None for cell in row["c"]))) for row in table["rows"]]
+
+
+def saved_model_description(export_dir: str) -> str:
+    """What `saved_model_cli show --dir DIR --all` prints, computed in this process.
+
+    The CLI is a new Python with TensorFlow to import (~4 s of every export); its `show --all` is this
+    one private function of `tensorflow.python.tools.saved_model_cli` (tests/test_export.py checks that
+    the CLI prints the same text)."""
+    import contextlib
+    import io
+
+    from tensorflow.python.tools import saved_model_cli
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        saved_model_cli._show_all(str(export_dir))
+    return printed.getvalue()

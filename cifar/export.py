@@ -9,10 +9,7 @@ number (`cifar.workdir`), so a failed export never leaves a half version; export
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from cifar import failpoints, locks
+from cifar import compat, failpoints, locks
 from cifar.checkpoints import load_eval_model, load_index
 from cifar.config import PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE, load_manifest
@@ -100,21 +97,6 @@ def serving_outputs(export_dir: str | Path, images: np.ndarray, batch_size: int)
     return {name: np.concatenate(values) for name, values in batches.items() if values}
 
 
-def saved_model_cli_show(export_dir: str | Path) -> str:
-    """The output of `saved_model_cli show --dir DIR --all` (the CLI from this environment)."""
-    executable = Path(sys.executable).parent / "saved_model_cli"
-    command = (
-        [str(executable)] if executable.exists() else [sys.executable, "-m", "tensorflow.python.tools.saved_model_cli"]
-    )
-    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    environment.setdefault("CUDA_VISIBLE_DEVICES", "")
-    arguments = [*command, "show", "--dir", str(export_dir), "--all"]
-    result = subprocess.run(arguments, capture_output=True, text=True, timeout=600, env=environment)
-    if result.returncode != 0:
-        raise ExportVerificationError(f"saved_model_cli failed with {result.returncode}: {result.stderr[-2000:]}")
-    return result.stdout
-
-
 def expected_correct_count(expected_accuracy: float, num_examples: int) -> int:
     """The number of correct examples an accuracy on `num_examples` stands for; rejects impossible values."""
     count = expected_accuracy * num_examples
@@ -135,7 +117,7 @@ def verify_export(
             f"the reloaded SavedModel classifies {correct}/{len(labels)} test images correctly, "
             f"the evaluated checkpoint {expected}/{len(labels)}"
         )
-    description = saved_model_cli_show(export_dir)
+    description = compat.saved_model_description(str(export_dir))  # saved_model_cli show --all
     for needed in (f"signature_def['{SERVING_SIGNATURE}']", f"inputs['{INPUT_NAME}']"):
         if needed not in description:
             raise ExportVerificationError(f"saved_model_cli does not describe {needed}:\n{description[-2000:]}")

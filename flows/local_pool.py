@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from harness.ports import HOST, free_port
-from harness.prefect import isolated_prefect_env
+from harness.prefect import SERVER_SETTINGS, isolated_prefect_env
 from harness.processes import ProcessHandle, spawn, stop_all, wait_for_http
 from harness.servers import wait_for_worker
 
@@ -81,7 +81,7 @@ def local_work_pool(workers: int, log_dir: Path) -> Iterator[str]:
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         stamp = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}"
-        server_env = isolated_prefect_env(home, None, PREFECT_SERVER_UI_ENABLED="false")
+        server_env = isolated_prefect_env(home, None, PREFECT_SERVER_UI_ENABLED="false", **SERVER_SETTINGS)
         command = prefect_command("server", "start", "--host", HOST, "--port", str(port), "--no-ui")
         servers.append(start(command, server_env, log_dir / f"search-server-{stamp}.log"))
         wait_for_http(f"{api_url}/health", servers[0], START_TIMEOUT_SECONDS, what="the temporary Prefect server")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from harness import REPO_ROOT
 from harness.ports import HOST, free_port
-from harness.prefect import prefect_env
+from harness.prefect import SERVER_SETTINGS, prefect_env
 from harness.processes import BIN_DIR, ProcessHandle, spawn, wait_for_http, wait_until
 
 WORKER_STARTED = "started!"  # What `prefect worker start` logs once it polls its pool.
@@ -69,7 +69,7 @@ def start_prefect_server(
     home = Path(home)
     port = port or free_port()
     url = f"http://{HOST}:{port}"
-    env = prefect_env(home, None, PREFECT_SERVER_UI_ENABLED="false", **settings)
+    env = prefect_env(home, None, PREFECT_SERVER_UI_ENABLED="false", **{**SERVER_SETTINGS, **settings})
     if database_url:
         env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database_url
     env["PYTHON"] = sys.executable  # For a launcher script.

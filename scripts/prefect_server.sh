@@ -10,7 +10,12 @@ if [ -z "${PYTHON:-}" ]; then  # The checkout's venv, else the python on PATH (a
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 exec "$PYTHON" - "$@" <<'PY'
+import os
 import sys
+
+# Leases of concurrency slots in files under PREFECT_HOME, not in this process's memory: a restart under a
+# running training would otherwise strand its `training` slot for good (docs/ORCHESTRATION.md).
+os.environ.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", "prefect.server.concurrency.lease_storage.filesystem")
 
 import prefect
 import sqlalchemy as sa

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Measured precision choices (cifar.performance) are remembered for the session, not in the user's ~/.cache;
-# the test processes and the pipelines they start share it.
-os.environ.setdefault("CIFAR_CACHE_DIR", tempfile.mkdtemp(prefix="cifar-test-cache-"))
+# the test processes and the pipelines they start share it. Made by the first process (xdist's workers
+# inherit it) and removed by that process when the session ends.
+if "CIFAR_CACHE_DIR" not in os.environ:
+    os.environ["CIFAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="cifar-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["CIFAR_CACHE_DIR"], ignore_errors=True)
 
 import pytest
 

@@ -360,11 +360,13 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
     [None, [str(REPO_ROOT / "scripts" / "prefect_server.sh")]],
     ids=["prefect-server-start", "scripts-prefect-server-sh"],
 )
-def test_an_event_redelivered_after_a_server_restart(tmp_path, launcher):
+def test_a_server_restart_neither_stores_an_event_twice_nor_strands_a_training_slot(tmp_path, launcher):
     # Events arrive at least once: a client resends what it has not checkpointed when it reconnects,
     # e.g. after a server restart, whose in-memory duplicate filter starts empty. Stock 3.8.8 on
     # SQLite then runs an INSERT without rows and logs "NOT NULL constraint failed: events.occurred"
     # (docs/ORCHESTRATION.md); scripts/prefect_server.sh keeps the one stored copy, quietly.
+    # A training holds a `training` slot under a lease across the restart: its release afterwards must
+    # free the slot (with leases in the server's memory it found nothing and the slot stayed taken).
     import asyncio
     import uuid
 
@@ -378,6 +380,7 @@ def test_an_event_redelivered_after_a_server_restart(tmp_path, launcher):
         async with PrefectEventsClient(api_url=api_url) as client:
             await client.emit(event)
 
+    lease_id = None
     for delivery in ("original", "after restart"):
         server = start_prefect_server(
             home,
@@ -387,6 +390,16 @@ def test_an_event_redelivered_after_a_server_restart(tmp_path, launcher):
             PREFECT_SERVER_SERVICES_EVENT_PERSISTER_MAX_FLUSH_RETRIES="2",
         )
         try:
+            limits = f"{server.api_url}/v2/concurrency_limits"
+            if lease_id is None:  # A training starts and takes the slot.
+                prefect_api.post(f"{limits}/", json={"name": "tag:training", "limit": 1}).raise_for_status()
+                taken = prefect_api.post(f"{limits}/increment-with-lease", json={"names": ["tag:training"], "slots": 1})
+                lease_id = taken.json()["lease_id"]
+            else:  # After the restart, it ends and gives the slot back.
+                released = prefect_api.post(f"{limits}/decrement-with-lease", json={"lease_id": lease_id})
+                assert released.status_code == 204, released.text
+                slots = prefect_api.get(f"{limits}/tag:training").json()["active_slots"]
+                assert slots == 0, "the restarted server forgot the lease: the training slot stays taken"
             asyncio.run(deliver(server.api_url))
             time.sleep(4)  # Flushes (and, for the duplicate, the failed flush and its retry).
             stored = prefect_api.post(

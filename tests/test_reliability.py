@@ -125,7 +125,7 @@ def three_at_once(python_archive, tmp_path_factory) -> tuple[Path, list[tuple[su
     extras = [(), (), ("--set", "train.run_name=b", "--set", "tracking.system_metrics=true")]
     processes = [subprocess.Popen(command(python_archive, workdir, *extra), cwd=REPO_ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True,
-                                  env=prefect_env(tmp_path / "prefect-home"))
+                                  env=prefect_env(tmp_path / "prefect-home", prepared=False))
                  for extra in extras]  # fmt: skip
     outputs = [process.communicate(timeout=600) for process in processes]
     return workdir, [(process, stdout + stderr) for process, (stdout, stderr) in zip(processes, outputs)]
@@ -172,7 +172,7 @@ def test_temporary_prefect_servers_started_at_once_on_a_new_prefect_home_do_not_
     # Each run without a server starts a temporary one, and a server's start-up registers Prefect's block
     # types unless the memo store says it was done: started together on a new PREFECT_HOME, they inserted
     # the same rows and one exited (`UNIQUE constraint failed: block_type.slug`). The CLI does it first.
-    env = prefect_env(tmp_path / "prefect-home")
+    env = prefect_env(tmp_path / "prefect-home", prepared=False)
     prepare = [sys.executable, "-c", "from flows.runtime import prepare_ephemeral_database as p; p()"]
     preparing = [subprocess.Popen(prepare, cwd=REPO_ROOT, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     assert all(process.wait(timeout=300) == 0 for process in preparing), [p.stderr.read() for p in preparing]
