@@ -3,8 +3,7 @@ server, an MLflow model server. Each start returns once the server answers (or r
 
     server = start_prefect_server(tmp_path / "prefect")            # SQLite under its isolated PREFECT_HOME
     server = start_prefect_server(home, database_url="postgresql+asyncpg://...")
-    env = server.client_env()                                      # for `prefect ...` subprocesses
-    run_cli(["prefect", "work-pool", "create", "pool", "--type", "process"], env=env)
+    env = deploy_project(server, "pool")                           # as `make deploy`; the clients' env
     worker = start_worker(server, pool="pool", cwd=repo_root)
     mlflow = start_mlflow_server(tmp_path / "mlflow")             # .api_url: the tracking URI
     stop_all([worker]); server.stop(); mlflow.stop()           # workers at once, then their server
@@ -21,7 +20,7 @@ from pathlib import Path
 from harness import REPO_ROOT
 from harness.ports import HOST, free_port
 from harness.prefect import SERVER_SETTINGS, prefect_env
-from harness.processes import BIN_DIR, ProcessHandle, spawn, wait_for_http, wait_until
+from harness.processes import BIN_DIR, ProcessHandle, run_cli, spawn, wait_for_http, wait_until
 
 WORKER_STARTED = "started!"  # What `prefect worker start` logs once it polls its pool.
 
@@ -78,6 +77,16 @@ def start_prefect_server(
     handle = ServerHandle.of(spawn(command, env, home / "server.log"), url, f"{url}/api", home)
     wait_for_http(f"{url}/api/health", handle, timeout)
     return handle
+
+
+def deploy_project(server: ServerHandle, pool: str, training_slots: int = 1) -> dict[str, str]:
+    """What `make deploy` does on `server`: the process pool, the `training` limit, every deployment of
+    prefect.yaml. Returns the clients' environment."""
+    env = server.client_env()
+    run_cli(["prefect", "work-pool", "create", pool, "--type", "process"], env=env)
+    run_cli(["prefect", "concurrency-limit", "create", "training", str(training_slots)], env=env)
+    run_cli(["prefect", "--no-prompt", "deploy", "--all"], env=env, cwd=REPO_ROOT)
+    return env
 
 
 def wait_for_worker(handle: ProcessHandle, timeout: float, what: str = "worker") -> None:

@@ -26,8 +26,7 @@ from cifar.io import file_digest
 from cifar.summary import PipelineSummary
 from harness import REPO_ROOT
 from harness.prefect import prefect_api
-from harness.processes import run_cli
-from harness.servers import start_prefect_server, start_worker
+from harness.servers import deploy_project, start_prefect_server, start_worker
 
 pytestmark = pytest.mark.integration
 
@@ -54,10 +53,7 @@ def loop(tmp_path_factory) -> tuple[Stack, dict]:
     server = start_prefect_server(home)
     worker = None
     try:
-        env = server.client_env()
-        run_cli(["prefect", "work-pool", "create", POOL, "--type", "process"], env=env)
-        run_cli(["prefect", "concurrency-limit", "create", "training", "1"], env=env)
-        run_cli(["prefect", "--no-prompt", "deploy", "--all"], env=env, cwd=REPO_ROOT)
+        env = deploy_project(server, POOL)
         nightly = prefect_api.get(f"{server.api_url}/deployments/name/cifar-retrain/nightly").json()
         response = prefect_api.patch(
             f"{server.api_url}/deployments/{nightly['id']}",

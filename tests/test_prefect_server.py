@@ -24,7 +24,7 @@ from harness import REPO_ROOT
 from harness.ports import free_port
 from harness.prefect import prefect_api
 from harness.processes import ProcessHandle, run_cli
-from harness.servers import ServerHandle, start_prefect_server, start_worker
+from harness.servers import ServerHandle, deploy_project, start_prefect_server, start_worker
 
 pytestmark = pytest.mark.integration
 
@@ -52,10 +52,7 @@ def stack(tmp_path_factory) -> Stack:
     server = start_prefect_server(home)
     worker = None
     try:
-        env = server.client_env()
-        run_cli(["prefect", "work-pool", "create", POOL, "--type", "process"], env=env)
-        run_cli(["prefect", "concurrency-limit", "create", "training", "1"], env=env)
-        run_cli(["prefect", "--no-prompt", "deploy", "--all"], env=env, cwd=REPO_ROOT)
+        env = deploy_project(server, POOL)
         worker = start_worker(
             server,
             POOL,
