@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from cifar.checkpoints import load_index
 from cifar.config import DataConfig, TrainConfig, make_config
 from cifar.data.prepare import prepare_data
 from cifar.train import train
+from harness.ports import free_ports
 
 WORKER = Path(__file__).with_name("train_worker.py")
 REPOSITORY = WORKER.parents[1]
@@ -34,17 +34,6 @@ def cluster(ports: list[int], index: int, task_type: str = "worker") -> str:
     return json.dumps(
         {"cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]}, "task": {"type": task_type, "index": index}}
     )
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for handle in sockets:
-            handle.bind(("127.0.0.1", 0))
-        return [handle.getsockname()[1] for handle in sockets]
-    finally:
-        for handle in sockets:
-            handle.close()
 
 
 def worker_environment(**extra: str) -> dict[str, str]:
