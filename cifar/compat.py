@@ -190,12 +190,20 @@ def saved_model_description(export_dir: str) -> str:
     The CLI is a new Python with TensorFlow to import (~4 s of every export); its `show --all` is this
     one private function of `tensorflow.python.tools.saved_model_cli` (tests/test_export.py checks that
     the CLI prints the same text)."""
-    import contextlib
     import io
 
     from tensorflow.python.tools import saved_model_cli
 
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+
+    def write(*values, sep=" ", end="\n", **_):
+        printed.write(sep.join(map(str, values)) + end)
+
+    # The module's own `print`, not sys.stdout: inside a Prefect task with log_prints, builtins.print is
+    # Prefect's (the text went to the run's log and the check saw nothing).
+    saved_model_cli.print = write
+    try:
         saved_model_cli._show_all(str(export_dir))
+    finally:
+        del saved_model_cli.print
     return printed.getvalue()
