@@ -35,10 +35,23 @@ class CheckpointEntry(BaseModel):
     metrics: dict[str, float]  # At least val_accuracy and val_loss when a validation split exists.
 
 
+class PartialEpoch(BaseModel):
+    """The state saved mid-epoch when training was stopped (SIGTERM, `cifar.preemption`): a resume continues
+    epoch `epoch` from step `step + 1`. Cleared by the next epoch's commit."""
+
+    model_config = ConfigDict(extra="forbid")
+    epoch: int  # 1-based: the epoch in progress (the latest committed one + 1).
+    step: int  # Steps of that epoch done (1 <= step < steps per epoch).
+    model_path: str  # Relative to the checkpoint dir: model + optimizer after that step.
+    metric_values: list[list[float]]  # The epoch's running training metrics (`model.metrics_variables`), flattened.
+    seconds: float  # Wall time spent in the epoch so far, added to its `epoch_seconds`.
+
+
 class CheckpointIndex(BaseModel):
     model_config = ConfigDict(extra="forbid")
     entries: list[CheckpointEntry] = []
     best_epoch: int | None = None  # The epoch with the highest val_accuracy (last epoch without validation).
+    partial: PartialEpoch | None = None  # A stop mid-epoch; readers of finished epochs ignore it.
 
     def entry(self, epoch: int) -> CheckpointEntry:
         for entry in self.entries:
@@ -62,6 +75,11 @@ def checkpoint_file_names(epoch: int) -> tuple[str, str]:
     epoch-0007.eval.weights.h5 the weights to evaluate: the EMA weights when EMA is on, else the same.
     """
     return f"epoch-{epoch:04d}.keras", f"epoch-{epoch:04d}.eval.weights.h5"
+
+
+def partial_checkpoint_name(epoch: int, step: int) -> str:
+    """epoch-0007-step-000045.keras: model and optimizer after step 45 of epoch 7 (a stop mid-epoch)."""
+    return f"epoch-{epoch:04d}-step-{step:06d}.keras"
 
 
 def load_index(checkpoint_dir: str | Path) -> CheckpointIndex:
@@ -88,7 +106,8 @@ def index_digest(checkpoint_dir: str | Path) -> str:
 def updated_index(index: CheckpointIndex, entry: CheckpointEntry, keep: int) -> CheckpointIndex:
     """The index with `entry` added (replacing a same-epoch entry), trimmed to the last `keep` + best.
 
-    Best is the highest `val_accuracy` (the earliest on ties); without validation, the latest.
+    Best is the highest `val_accuracy` (the earliest on ties); without validation, the latest. A partial
+    epoch's state is dropped: the committed epoch supersedes it.
     """
     entries = [old for old in index.entries if old.epoch < entry.epoch] + [entry]
     if "val_accuracy" in entry.metrics:
@@ -112,6 +131,8 @@ def save_file(path: Path, save: Callable[[Path], None]) -> None:
 def remove_unlisted(checkpoint_dir: Path, index: CheckpointIndex) -> None:
     """Deletes half-written temp files and checkpoints the index no longer lists."""
     kept = {name for entry in index.entries for name in (entry.model_path, entry.eval_weights_path)}
+    if index.partial is not None:
+        kept.add(index.partial.model_path)
     for path in [*checkpoint_dir.glob(f"{TEMP_PREFIX}*"), *checkpoint_dir.glob("epoch-*")]:
         if path.name not in kept:
             path.unlink(missing_ok=True)

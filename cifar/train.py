@@ -28,9 +28,10 @@ from cifar.callbacks import (
     Lookahead,
     MetricsLogger,
     PreciseBatchNorm,
+    SaveOnSigterm,
     TrainingDivergedError,
 )
-from cifar.checkpoints import CheckpointIndex, RunDirectory, history_rows, load_index
+from cifar.checkpoints import CheckpointIndex, PartialEpoch, RunDirectory, history_rows, load_index
 from cifar.config import PipelineConfig, resolve_workdir
 from cifar.data.manifest import Manifest, load_manifest
 from cifar.input_pipeline import make_eval_dataset, make_train_dataset, split_size
@@ -39,11 +40,12 @@ from cifar.models import build_model, init_whitening, input_size
 from cifar.optimizers import ConvMuon, GroupedSGD, is_conv_filter
 from cifar.performance import configure_performance
 from cifar.plots import plot_training_curves
+from cifar.preemption import TrainingPreempted
 from cifar.results import TrainResult
 from cifar.reuse import training_key
 from cifar.workdir import run_dir
 
-__all__ = ["TrainResult", "TrainingDivergedError", "default_run_name", "train"]
+__all__ = ["TrainResult", "TrainingDivergedError", "TrainingPreempted", "default_run_name", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -287,13 +289,16 @@ def _train(
     strategy = distribute.create_strategy(job.plan)
 
     # An epoch counts once index.json lists it: after a kill anywhere no epoch is lost and none counted twice.
+    # A stop by SIGTERM saved mid-epoch (`index.partial`): that epoch continues from its next step.
     index = load_index(run.checkpoint_dir)
     initial_epoch = index.latest.epoch if index.latest else 0
     history = run.read_history(initial_epoch)
-    checkpoint = run.checkpoint_dir / index.latest.model_path if initial_epoch else None
+    restore = index.partial.model_path if index.partial else index.latest.model_path if initial_epoch else None
+    checkpoint = run.checkpoint_dir / restore if restore else None
     model = _build_model(job, strategy, performance.get("jit_compile") == "true", checkpoint)
-    if initial_epoch:
-        logger.info("resuming %s after epoch %d", run.name, initial_epoch)
+    if restore:
+        at = f"step {index.partial.step} of epoch {index.partial.epoch}" if index.partial else f"epoch {initial_epoch}"
+        logger.info("resuming %s after %s", run.name, at)
 
     run_id = _open_tracking(job, history, performance) if job.plan.is_chief else None
     checkpoint_dir = distribute.writable_dir(job.plan, run.checkpoint_dir)
@@ -305,14 +310,15 @@ def _train(
         history_path=run.history_path if job.plan.is_chief else None,
         write_records=job.plan.is_chief,
     )
+    resolver = strategy.cluster_resolver if job.plan.cluster is not None else None
+    stopper = SaveOnSigterm(checkpointer, job.steps_per_epoch, index.partial, resolver)
     try:
         if initial_epoch < job.train.epochs:
-            all_callbacks = [*_callbacks(job, checkpointer, run_id, epoch_callback), *callbacks]
-            _fit(job, model, initial_epoch, all_callbacks, run_id)
-    except TrainingDivergedError as error:  # A NaN or infinite loss: the bad epoch was not checkpointed.
-        if run_id is not None:
-            tracking.mark_failed(job.tracking_uri, run_id, str(error))
-            run.write_state(job.key, run_id, job.tracking_uri, "diverged")
+            all_callbacks = [*_callbacks(job, checkpointer, stopper, run_id, epoch_callback), *callbacks]
+            with stopper.watching():
+                _fit(job, model, initial_epoch, index.partial, all_callbacks, run_id)
+    except (TrainingDivergedError, TrainingPreempted) as error:
+        _record_stop(job, run_id, error)
         raise
     finally:
         distribute.cleanup_dir(job.plan, checkpoint_dir)
@@ -321,6 +327,19 @@ def _train(
     if job.plan.is_chief:
         _finish(job, run_id, checkpointer.history, result)
     return result
+
+
+def _record_stop(job: TrainingJob, run_id: str | None, error: Exception) -> None:
+    """A diverged run (NaN loss: the bad epoch was not checkpointed) ends FAILED in MLflow; a run stopped by
+    SIGTERM (its state saved) ends KILLED, and the next run of the same key resumes it."""
+    if run_id is None:
+        return
+    if isinstance(error, TrainingDivergedError):
+        tracking.mark_failed(job.tracking_uri, run_id, str(error))
+        job.run.write_state(job.key, run_id, job.tracking_uri, "diverged")
+    else:
+        tracking.end_run(job.tracking_uri, run_id, "KILLED")
+        job.run.write_state(job.key, run_id, job.tracking_uri, "preempted")
 
 
 def _build_model(job: TrainingJob, strategy, jit_compile: bool, checkpoint: Path | None) -> keras.Model:
@@ -435,7 +454,11 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
 
 
 def _callbacks(
-    job: TrainingJob, checkpointer: EpochCheckpoint, run_id: str | None, epoch_callback: Callable[[dict], None] | None
+    job: TrainingJob,
+    checkpointer: EpochCheckpoint,
+    stopper: SaveOnSigterm,
+    run_id: str | None,
+    epoch_callback: Callable[[dict], None] | None,
 ) -> list[keras.callbacks.Callback]:
     """The training callbacks, in the order `cifar.callbacks` explains."""
     train = job.train
@@ -446,7 +469,7 @@ def _callbacks(
         callbacks.append(PreciseBatchNorm(_precise_bn_batches(job)))  # After the EMA swap: the weights validated.
     if train.lookahead_steps is not None:
         callbacks.append(Lookahead(train.lookahead_steps, job.steps_per_epoch, job.steps_per_epoch * train.epochs))
-    callbacks.append(checkpointer)
+    callbacks += [stopper, checkpointer]  # A SIGTERM's save holds the step's Lookahead update; then the epoch's.
     if run_id is not None:
         callbacks.append(
             MetricsLogger(lambda epoch, metrics: tracking.log_epoch_metrics(job.tracking_uri, run_id, epoch, metrics))
@@ -468,31 +491,55 @@ AUGMENTATION_FIELDS = {
 }
 
 
-def _fit(job: TrainingJob, model: keras.Model, initial_epoch: int, callbacks: list, run_id: str | None) -> None:
-    """model.fit inside the MLflow run (for system metrics) on the chief; plain fit elsewhere."""
+def _fit(
+    job: TrainingJob,
+    model: keras.Model,
+    initial_epoch: int,
+    partial: PartialEpoch | None,
+    callbacks: list,
+    run_id: str | None,
+) -> None:
+    """model.fit inside the MLflow run (for system metrics) on the chief; plain fit elsewhere.
+
+    After a stop mid-epoch, a first fit runs the rest of that epoch (its remaining steps), a second the epochs after.
+    """
     train = job.train
     train_splits, validation_splits = training_splits(job.config, job.manifest)
     shared = {"batch_size": train.batch_size, "image_size": input_size(train.model), "cache": train.cache}
     augmentation = train.model_dump(include=AUGMENTATION_FIELDS)
     # Multi-worker element sharding needs the same element order on every worker.
     order = {"seed": job.config.seed, "deterministic": train.deterministic or job.plan.num_workers > 1}
-    steps = {"start_step": initial_epoch * job.steps_per_epoch, "steps_per_epoch": job.steps_per_epoch}
-    train_dataset = make_train_dataset(job.data_dir, splits=train_splits, **shared, **augmentation, **order, **steps)
     validation_dataset = None
     if validation_splits:
         validation_dataset = make_eval_dataset(job.data_dir, splits=validation_splits, **shared)
     verbose = 1 if sys.stdout.isatty() else 2  # A live progress bar on a terminal, one line per epoch in logs.
+    spans = [(initial_epoch, train.epochs, 0)]  # (first epoch, end epoch, steps of the first one already done)
+    if partial is not None:
+        spans = [(initial_epoch, initial_epoch + 1, partial.step), (initial_epoch + 1, train.epochs, 0)]
     with tracking.active_run(job.tracking_uri, run_id, system_metrics=job.config.tracking.system_metrics):
         # Ended FINISHED on success; FAILED on any exception (a SIGKILL leaves it RUNNING until resumed).
-        span = {"epochs": train.epochs, "initial_epoch": initial_epoch, "steps_per_epoch": job.steps_per_epoch}
-        model.fit(
-            train_dataset,
-            validation_data=validation_dataset,
-            callbacks=callbacks,
-            verbose=verbose,
-            shuffle=False,
-            **span,
-        )
+        for first, end, done in spans:
+            if first >= end:
+                continue
+            start_step = first * job.steps_per_epoch + done
+            steps = {"start_step": start_step, "steps_per_epoch": job.steps_per_epoch}
+            train_dataset = make_train_dataset(
+                job.data_dir, splits=train_splits, **shared, **augmentation, **order, **steps
+            )
+            # A fit of the rest of an epoch keeps the raw weights for the fit after it (see compat).
+            with compat.raw_weights_after_fit(model.optimizer, keep=end < train.epochs):
+                model.fit(
+                    train_dataset,
+                    validation_data=validation_dataset,
+                    callbacks=callbacks,
+                    verbose=verbose,
+                    shuffle=False,
+                    epochs=end,
+                    initial_epoch=first,
+                    steps_per_epoch=job.steps_per_epoch - done,
+                )
+            if model.stop_training:  # A pruned trial, or a SIGTERM at an epoch's last step.
+                break
 
 
 def _result(job: TrainingJob, run_id: str | None, index: CheckpointIndex, history: dict[str, list]) -> TrainResult:
