@@ -7,6 +7,7 @@ sees an entry whose files are missing; a run is reusable once state.json says `c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -241,6 +242,26 @@ class RunDirectory:
         aside = self.path.with_name(f".{self.name}.discarded-{time.time_ns()}")
         self.path.rename(aside)
         shutil.rmtree(aside, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingStart:
+    """Where training starts: committed epochs, a stop mid-epoch after them, and the file to restore."""
+
+    epoch: int
+    partial: PartialEpoch | None
+    checkpoint: Path | None
+
+    @classmethod
+    def of(cls, run: RunDirectory, index: CheckpointIndex) -> TrainingStart:
+        # An epoch counts once index.json lists it: after a kill anywhere no epoch is lost and none counted twice.
+        # A stop by SIGTERM saved mid-epoch (`index.partial`): that epoch continues from its next step.
+        epoch = index.latest.epoch if index.latest else 0
+        restore = index.partial.model_path if index.partial else index.latest.model_path if epoch else None
+        return cls(epoch, index.partial, run.checkpoint_dir / restore if restore else None)
+
+    def describe(self) -> str:
+        return f"step {self.partial.step} of epoch {self.partial.epoch}" if self.partial else f"epoch {self.epoch}"
 
 
 def select_for_evaluation(index: CheckpointIndex, which: str) -> list[CheckpointEntry]:
