@@ -10,9 +10,12 @@ report loses no epoch: the resumed run back-fills what was not reported (see `ci
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import keras
@@ -23,14 +26,19 @@ from cifar import compat, failpoints
 from cifar.checkpoints import (
     CheckpointEntry,
     CheckpointIndex,
+    PartialEpoch,
     append_epoch,
     checkpoint_file_names,
+    partial_checkpoint_name,
     remove_unlisted,
     save_file,
     updated_index,
     write_index,
 )
 from cifar.io import atomic_write_json
+from cifar.preemption import TrainingPreempted
+
+logger = logging.getLogger(__name__)
 
 NAN_CHECK_EVERY = 20  # Batches between divergence checks inside an epoch (each check syncs the device).
 LOOKAHEAD_BASE_DECAY = 0.95  # airbench94's lookahead decay per step (`Lookahead`).
@@ -314,6 +322,113 @@ class EpochCheckpoint(keras.callbacks.Callback):
             write_index(self.checkpoint_dir, self.index)
         remove_unlisted(self.checkpoint_dir, self.index)
         failpoints.reached("train.epoch", completed)  # Committed, not yet reported to MLflow: a resume back-fills it.
+
+    def save_partial(self, epoch: int, step: int, metric_values: list[list[float]], seconds: float) -> PartialEpoch:
+        """Writes the state after `step` steps of epoch `epoch` (a stop mid-epoch), committed in the index."""
+        model_name = partial_checkpoint_name(epoch, step)
+        save_file(self.checkpoint_dir / model_name, self.model.save)
+        partial = PartialEpoch(
+            epoch=epoch, step=step, model_path=model_name, metric_values=metric_values, seconds=seconds
+        )
+        self.index = self.index.model_copy(update={"partial": partial})
+        if self.write_records:
+            write_index(self.checkpoint_dir, self.index)
+        remove_unlisted(self.checkpoint_dir, self.index)  # An older partial state of the same epoch.
+        return partial
+
+
+class SaveOnSigterm(keras.callbacks.Callback):
+    """After every training step, lets TF's handler save and stop when a SIGTERM arrived (here or on any worker).
+
+    TF's `tf.distribute.experimental.PreemptionCheckpointHandler` watches the signal and, in a cluster,
+    agrees with every worker on the step to save after (through the coordination service); its `save_fn`
+    writes our contract (`EpochCheckpoint.save_partial`) and its `exit_fn` raises `TrainingPreempted`.
+    Keras 3 has no preemption support of its own (its `BackupAndRestore` lost tf.keras'
+    `save_before_preemption`), so the handler is asked here, once per step. The callback also continues a
+    `resumed` partial epoch: its running training metrics are merged back after the first step (they are
+    sums: Keras' `Mean` keeps a total and a count), and its earlier wall time is added to the epoch's
+    `epoch_seconds`. Runs after `EpochStatistics` and `Lookahead`, before the epoch's checkpoint.
+    """
+
+    def __init__(
+        self, checkpointer: EpochCheckpoint, steps_per_epoch: int, resumed: PartialEpoch | None, cluster_resolver=None
+    ):
+        super().__init__()
+        self.checkpointer = checkpointer
+        self.steps_per_epoch = steps_per_epoch
+        self.resumed = resumed
+        self.cluster_resolver = cluster_resolver
+        self.handler = None  # TF's handler while `watching`; None outside the main thread (no signals there).
+        self.epoch = 0  # 1-based: the epoch in progress.
+        self.steps_done = 0  # Its completed steps, a resumed epoch's earlier ones included.
+        self.stop_after_epoch = False  # The handler asked for a save at an epoch's last step.
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """TF's handler owns SIGTERM for the block (the fits); the previous handler (Prefect's) comes back after.
+
+        A save asked for at an epoch's last step lets the epoch finish and commit, then raises here.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            logger.info("training outside the main thread: SIGTERM is not watched")
+            yield
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        config = tf.distribute.experimental.TerminationConfig(exit_fn=self._stop, save_fn=self._save, grace_period=0)
+        self.handler = compat.preemption_handler(self.cluster_resolver, self.checkpointer.checkpoint_dir, config)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        # The handler's save came at an epoch's last step (the epoch's own checkpoint was then its save),
+        # or the signal came after the last step, which the handler never acts on: stop here.
+        if self.stop_after_epoch or compat.preemption_signalled(self.handler):
+            raise TrainingPreempted(
+                f"training stopped by SIGTERM after epoch {self.epoch} (checkpointed); "
+                "run the same command again to resume from there"
+            )
+
+    def _resuming(self) -> bool:
+        return self.resumed is not None and self.resumed.epoch == self.epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch + 1
+        self.steps_done = self.resumed.step if self._resuming() else 0
+        self._epoch_start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._resuming() and batch == 0:
+            for variable, values in zip(self.model.metrics_variables, self.resumed.metric_values):
+                variable.assign(variable + np.reshape(np.asarray(values, dtype=variable.dtype), variable.shape))
+        self.steps_done += 1
+        if self.handler is not None:
+            compat.save_if_preempted(self.handler)  # Saves (`_save`) and stops (`_stop`) once asked to.
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._resuming():
+            if logs is not None and "epoch_seconds" in logs:
+                logs["epoch_seconds"] += self.resumed.seconds
+            self.resumed = None
+
+    def _seconds(self) -> float:
+        return time.perf_counter() - self._epoch_start + (self.resumed.seconds if self._resuming() else 0.0)
+
+    def _save(self) -> None:
+        if self.steps_done >= self.steps_per_epoch:
+            return  # The epoch's last step: its validation and checkpoint follow at once (`_stop`).
+        metric_values = [np.asarray(variable).ravel().tolist() for variable in self.model.metrics_variables]
+        self.checkpointer.save_partial(self.epoch, self.steps_done, metric_values, self._seconds())
+        logger.info("SIGTERM: saved the state after step %d of epoch %d", self.steps_done, self.epoch)
+
+    def _stop(self) -> None:
+        if self.steps_done >= self.steps_per_epoch:
+            self.model.stop_training = True  # Keras validates and commits this epoch, then `watching` raises.
+            self.stop_after_epoch = True
+            return
+        raise TrainingPreempted(
+            f"training stopped by SIGTERM and saved after step {self.steps_done} of {self.steps_per_epoch} "
+            f"in epoch {self.epoch}; run the same command again to resume from there"
+        )
 
 
 class MetricsLogger(keras.callbacks.Callback):

@@ -7,6 +7,7 @@ sees an entry whose files are missing; a run is reusable once state.json says `c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -35,10 +36,23 @@ class CheckpointEntry(BaseModel):
     metrics: dict[str, float]  # At least val_accuracy and val_loss when a validation split exists.
 
 
+class PartialEpoch(BaseModel):
+    """The state saved mid-epoch when training was stopped (SIGTERM, `cifar.preemption`): a resume continues
+    epoch `epoch` from step `step + 1`. Cleared by the next epoch's commit."""
+
+    model_config = ConfigDict(extra="forbid")
+    epoch: int  # 1-based: the epoch in progress (the latest committed one + 1).
+    step: int  # Steps of that epoch done (1 <= step < steps per epoch).
+    model_path: str  # Relative to the checkpoint dir: model + optimizer after that step.
+    metric_values: list[list[float]]  # The epoch's running training metrics (`model.metrics_variables`), flattened.
+    seconds: float  # Wall time spent in the epoch so far, added to its `epoch_seconds`.
+
+
 class CheckpointIndex(BaseModel):
     model_config = ConfigDict(extra="forbid")
     entries: list[CheckpointEntry] = []
     best_epoch: int | None = None  # The epoch with the highest val_accuracy (last epoch without validation).
+    partial: PartialEpoch | None = None  # A stop mid-epoch; readers of finished epochs ignore it.
 
     def entry(self, epoch: int) -> CheckpointEntry:
         for entry in self.entries:
@@ -62,6 +76,11 @@ def checkpoint_file_names(epoch: int) -> tuple[str, str]:
     epoch-0007.eval.weights.h5 the weights to evaluate: the EMA weights when EMA is on, else the same.
     """
     return f"epoch-{epoch:04d}.keras", f"epoch-{epoch:04d}.eval.weights.h5"
+
+
+def partial_checkpoint_name(epoch: int, step: int) -> str:
+    """epoch-0007-step-000045.keras: model and optimizer after step 45 of epoch 7 (a stop mid-epoch)."""
+    return f"epoch-{epoch:04d}-step-{step:06d}.keras"
 
 
 def load_index(checkpoint_dir: str | Path) -> CheckpointIndex:
@@ -88,7 +107,8 @@ def index_digest(checkpoint_dir: str | Path) -> str:
 def updated_index(index: CheckpointIndex, entry: CheckpointEntry, keep: int) -> CheckpointIndex:
     """The index with `entry` added (replacing a same-epoch entry), trimmed to the last `keep` + best.
 
-    Best is the highest `val_accuracy` (the earliest on ties); without validation, the latest.
+    Best is the highest `val_accuracy` (the earliest on ties); without validation, the latest. A partial
+    epoch's state is dropped: the committed epoch supersedes it.
     """
     entries = [old for old in index.entries if old.epoch < entry.epoch] + [entry]
     if "val_accuracy" in entry.metrics:
@@ -112,6 +132,8 @@ def save_file(path: Path, save: Callable[[Path], None]) -> None:
 def remove_unlisted(checkpoint_dir: Path, index: CheckpointIndex) -> None:
     """Deletes half-written temp files and checkpoints the index no longer lists."""
     kept = {name for entry in index.entries for name in (entry.model_path, entry.eval_weights_path)}
+    if index.partial is not None:
+        kept.add(index.partial.model_path)
     for path in [*checkpoint_dir.glob(f"{TEMP_PREFIX}*"), *checkpoint_dir.glob("epoch-*")]:
         if path.name not in kept:
             path.unlink(missing_ok=True)
@@ -220,6 +242,26 @@ class RunDirectory:
         aside = self.path.with_name(f".{self.name}.discarded-{time.time_ns()}")
         self.path.rename(aside)
         shutil.rmtree(aside, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingStart:
+    """Where training starts: committed epochs, a stop mid-epoch after them, and the file to restore."""
+
+    epoch: int
+    partial: PartialEpoch | None
+    checkpoint: Path | None
+
+    @classmethod
+    def of(cls, run: RunDirectory, index: CheckpointIndex) -> TrainingStart:
+        # An epoch counts once index.json lists it: after a kill anywhere no epoch is lost and none counted twice.
+        # A stop by SIGTERM saved mid-epoch (`index.partial`): that epoch continues from its next step.
+        epoch = index.latest.epoch if index.latest else 0
+        restore = index.partial.model_path if index.partial else index.latest.model_path if epoch else None
+        return cls(epoch, index.partial, run.checkpoint_dir / restore if restore else None)
+
+    def describe(self) -> str:
+        return f"step {self.partial.step} of epoch {self.partial.epoch}" if self.partial else f"epoch {self.epoch}"
 
 
 def select_for_evaluation(index: CheckpointIndex, which: str) -> list[CheckpointEntry]:

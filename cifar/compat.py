@@ -207,3 +207,67 @@ def saved_model_description(export_dir: str) -> str:
     finally:
         del saved_model_cli.print
     return printed.getvalue()
+
+
+def preemption_handler(cluster_resolver, checkpoint_dir: str, termination_config):
+    """TF's `PreemptionCheckpointHandler` watching SIGTERM on every platform (TF 2.21).
+
+    The handler picks its behaviour from the private `failure_handling_util.detect_platform()`, which asks
+    the GCE metadata server (up to 5 s) whether it runs on Google Cloud: on a GCE or GKE CPU machine it
+    then watches nothing at all ("does not support usage with TPU or CPU device on GCP"), and on a GCE
+    GPU machine it polls the maintenance-event metadata instead of SIGTERM. A container stop and a pod
+    eviction send SIGTERM on every platform, so the platform is pinned to the non-GCE one (SIGTERM
+    watched) while the handler is made. Its own checkpoint manager points at `checkpoint_dir` and never
+    writes (`termination_config.save_fn` does); reading it at start finds nothing to restore.
+    """
+    import tensorflow as tf
+    from tensorflow.python.distribute.failure_handling import failure_handling_util
+
+    platforms = failure_handling_util.PlatformDevice
+    original = failure_handling_util.detect_platform
+
+    def detect_platform():
+        return platforms.INTERNAL_GPU if tf.config.list_logical_devices("GPU") else platforms.INTERNAL_CPU
+
+    failure_handling_util.detect_platform = detect_platform
+    try:
+        manager = tf.train.CheckpointManager(tf.train.Checkpoint(), directory=str(checkpoint_dir), max_to_keep=1)
+        return tf.distribute.experimental.PreemptionCheckpointHandler(
+            cluster_resolver, manager, termination_config=termination_config
+        )
+    finally:
+        failure_handling_util.detect_platform = original
+
+
+def preemption_signalled(handler) -> bool:
+    """Whether this process received SIGTERM while `handler` watched. TF 2.21 keeps it private
+    (`_received_own_sigterm`): a signal after the last training step is never acted on by the handler."""
+    return handler._received_own_sigterm.is_set()
+
+
+@contextlib.contextmanager
+def raw_weights_after_fit(optimizer, keep: bool) -> Iterator[None]:
+    """With `keep`, `model.fit` leaves the raw weights in place instead of their moving average.
+
+    Keras 3.15 `fit` ends with `optimizer.finalize_variable_values`, which with `use_ema` overwrites every
+    trainable variable with its EMA: right at the end of training, wrong for a fit that runs only the rest
+    of an interrupted epoch, before another fit continues from the raw weights. No public switch exists,
+    so the instance's method is a no-op for the block.
+    """
+    if not keep:
+        yield
+        return
+    optimizer.finalize_variable_values = lambda variables: None
+    try:
+        yield
+    finally:
+        del optimizer.finalize_variable_values
+
+
+def save_if_preempted(handler) -> None:
+    """`handler.save_checkpoint_if_preempted()` without the deprecation warning TF 2.21 logs from inside it
+    (its own `_save_checkpoint` reads its deprecated `total_run_calls`); `deprecation.silence` is private."""
+    from tensorflow.python.util import deprecation
+
+    with deprecation.silence():
+        handler.save_checkpoint_if_preempted()

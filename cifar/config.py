@@ -266,6 +266,25 @@ class TrainConfig(Section):
     shuffle_buffer: int = Field(10_000, ge=1)
     use_all_training_data: bool = Field(False, description="Train on train+validation (no model selection).")
     gpus: int | list[int] = Field(0, description="0 = CPU, N = first N GPUs, or an explicit list of GPU ids.")
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Processes of one training (MultiWorkerMirroredStrategy): the chief (this run) and workers - 1 "
+        "flow runs of worker_deployment, one per work-pool worker; batch_size stays the global batch.",
+    )
+    worker_deployment: str = Field(
+        "cifar-train-worker/worker",
+        pattern=r"^[^/\s]+/[^/\s]+$",
+        description="workers > 1: the deployment (flow/name) whose flow runs are workers 1..N-1; its pool places them.",
+    )
+    gang_timeout_seconds: float = Field(
+        600.0,
+        gt=0,
+        le=86_400,
+        description="workers > 1: how long each process waits for the others to join (their data prepared) before "
+        "every one of them ends, naming who is missing.",
+    )
     precision: Literal["auto", "float32", "mixed_bfloat16", "mixed_float16"] = "auto"
     fused_batchnorm: bool = Field(True, description="Use the fused batch-norm kernel where it is faster.")
     fused_gelu: bool = Field(True, description="Train GELU (fast net) with XLA-fused kernels; False = Keras's.")

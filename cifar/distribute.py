@@ -28,6 +28,7 @@ class ClusterTask:
     task_id: int
     num_workers: int  # Chief plus workers: every process that trains.
     is_chief: bool
+    spec: dict[str, list[str]]  # The cluster: job name -> "host:port" of each task.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,7 @@ def cluster_task(tf_config: str | None = None) -> ClusterTask | None:
     if task_type not in cluster or task_id >= len(cluster[task_type]):
         raise ValueError(f"TF_CONFIG task {task_type}:{task_id} is not in its cluster")
     is_chief = task_type == "chief" or (task_type == "worker" and task_id == 0 and "chief" not in cluster)
-    return ClusterTask(task_type=task_type, task_id=task_id, num_workers=num_workers, is_chief=is_chief)
+    return ClusterTask(task_type=task_type, task_id=task_id, num_workers=num_workers, is_chief=is_chief, spec=cluster)
 
 
 def resolve_gpu_ids(gpus: int | list[int], available: int) -> list[int]:
@@ -106,10 +107,13 @@ def plan_devices(train: TrainConfig, *, tf_config: str | None = None) -> DeviceP
         count = 1 if cluster is not None else max(1, len(virtual or []))
         names = tuple(f"/cpu:{index}" for index in range(count))
         plan = DevicePlan("CPU", names, (), cluster)
-    if train.batch_size % plan.num_replicas:
+    # Without a cluster yet, `train.workers` processes will join one (cifar.cluster): the same rule applies.
+    workers = plan.num_workers if cluster is not None else train.workers
+    if train.batch_size % (len(plan.devices) * workers):
         raise ValueError(
             f"batch_size {train.batch_size} is the global batch and must be divisible by the "
-            f"{plan.num_replicas} replicas ({plan.summary()})"
+            f"{len(plan.devices) * workers} replicas ({len(plan.devices)} x {plan.device_type} on each of {workers} "
+            "worker(s))"
         )
     return plan
 
@@ -126,7 +130,15 @@ def create_strategy(plan: DevicePlan) -> tf.distribute.Strategy:
             except RuntimeError:
                 pass  # The runtime is already initialized (e.g. the caller ran TF ops first): keep what is visible.
         compat.patch_multi_worker_reduce()
-        return tf.distribute.MultiWorkerMirroredStrategy()
+        # The cluster as planned (from TF_CONFIG or a rendezvous), not the environment read again.
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(plan.cluster.spec),
+            task_type=plan.cluster.task_type,
+            task_id=plan.cluster.task_id,
+            rpc_layer="grpc",
+            num_accelerators={"GPU": len(plan.gpu_ids)} if plan.gpu_ids else None,
+        )
+        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     if len(plan.devices) == 1:
         return tf.distribute.OneDeviceStrategy(plan.devices[0])
     return tf.distribute.MirroredStrategy(devices=list(plan.devices))
@@ -149,3 +161,16 @@ def cleanup_dir(plan: DevicePlan, directory: str | Path) -> None:
     """Deletes a non-chief worker's temporary directory; the chief's is kept."""
     if not plan.is_chief:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+# What TensorFlow raises in a collective when another process of the job is gone (coordination-service heartbeats).
+LOST_PEER_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.DeadlineExceededError)
+
+
+def lost_peer(error: tf.errors.OpError, plan: DevicePlan) -> Exception | None:
+    """For a multi-worker plan, the one-line `WorkerLostError` naming whom TensorFlow's error names; else None."""
+    if plan.cluster is None:
+        return None
+    from cifar.cluster import lost_worker
+
+    return lost_worker(error.message, plan.cluster.spec.get("worker", []), plan.cluster.task_id)

@@ -34,7 +34,7 @@ STAGE_MODULES = {
     "analysis": "cifar.data.analysis",  # Not a stage: the per-part analysis the data stage and the gate keep.
 }
 # Training fields that do not change what is trained: how to get there, and what the folder is called.
-TRAIN_FIELDS_IGNORED = {"resume", "run_name"}
+TRAIN_FIELDS_IGNORED = {"resume", "run_name", "worker_deployment", "gang_timeout_seconds"}  # How, not what.
 
 
 def module_path(module: str) -> Path | None:

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import re
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from cifar import compat, distribute, locks, schedules, tracking
+from cifar import cluster, compat, distribute, locks, schedules, tracking
 from cifar.callbacks import (
     DivergenceGuard,
     EpochCheckpoint,
@@ -28,9 +29,10 @@ from cifar.callbacks import (
     Lookahead,
     MetricsLogger,
     PreciseBatchNorm,
+    SaveOnSigterm,
     TrainingDivergedError,
 )
-from cifar.checkpoints import CheckpointIndex, RunDirectory, history_rows, load_index
+from cifar.checkpoints import CheckpointIndex, RunDirectory, TrainingStart, history_rows, load_index
 from cifar.config import PipelineConfig, resolve_workdir
 from cifar.data.manifest import Manifest, load_manifest
 from cifar.input_pipeline import make_eval_dataset, make_train_dataset, split_size
@@ -39,11 +41,12 @@ from cifar.models import build_model, init_whitening, input_size
 from cifar.optimizers import ConvMuon, GroupedSGD, is_conv_filter
 from cifar.performance import configure_performance
 from cifar.plots import plot_training_curves
+from cifar.preemption import TrainingPreempted
 from cifar.results import TrainResult
 from cifar.reuse import training_key
 from cifar.workdir import run_dir
 
-__all__ = ["TrainResult", "TrainingDivergedError", "default_run_name", "train"]
+__all__ = ["TrainResult", "TrainingDivergedError", "TrainingPreempted", "default_run_name", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -246,19 +249,22 @@ def train(
     refresh: bool = False,
     epoch_callback: Callable[[dict], None] | None = None,
     callbacks: Sequence[keras.callbacks.Callback] = (),
+    rendezvous: cluster.Rendezvous | None = None,
 ) -> TrainResult:
     """Trains (or resumes, or returns the finished) run of `config` on the prepared data.
 
     `refresh` retrains from scratch even when a finished run exists. `epoch_callback(progress)`
     gets `{"epoch", "epochs", **metrics}` after every epoch (how the Prefect task reports progress
     without this package importing Prefect); `callbacks` are extra Keras callbacks, run after the
-    checkpoint of each epoch is written.
+    checkpoint of each epoch is written. `rendezvous` makes this process one of `train.workers` that train
+    together (`cifar.cluster`): its index 0 is the chief, which owns the run folder and the MLflow run.
     """
     job = plan_job(config, data_dir, workdir)
     # One process trains a run folder at a time; a second run of the same key waits, then reuses the result.
     owner = locks.exclusive(locks.lock_path(job.run.path), f"the training run {job.run.name}")
-    with owner if job.plan.is_chief else contextlib.nullcontext():
-        return _train(job, refresh, epoch_callback, callbacks)
+    chief = job.plan.is_chief and (rendezvous is None or rendezvous.index == 0)
+    with owner if chief else contextlib.nullcontext():
+        return _train(job, refresh, epoch_callback, callbacks, rendezvous)
 
 
 def _train(
@@ -266,34 +272,39 @@ def _train(
     refresh: bool,
     epoch_callback: Callable[[dict], None] | None,
     callbacks: Sequence[keras.callbacks.Callback],
+    rendezvous: cluster.Rendezvous | None,
 ) -> TrainResult:
     """`train` once the run folder is this process's: reuse, resume or train from scratch.
 
     A resume restores weights, optimizer state (momentum, step counter, EMA), the epoch and the MLflow
-    run; multi-worker runs resume only when every worker sees the chief's run folder."""
+    run. Workers of a rendezvous start where the chief's run stands (its checkpoint fetched from MLflow);
+    workers of a hand-made TF_CONFIG cluster read the chief's run folder, which they must all see."""
     config, run = job.config, job.run
-    if job.plan.is_chief and (refresh or not job.train.resume):
-        run.discard()  # `--fresh` or `refresh`: a new folder and a new MLflow run.
-    finished = run.completed(job.key)
-    if finished is not None:
-        logger.info("run %s is complete under the same key: reusing it", run.name)
-        return finished
-    run.check_key(job.key)  # A named run (`train.run_name`) made under another key is refused, not overwritten.
+    local = rendezvous is None or rendezvous.index == 0  # This process reads (the chief: owns) the run folder.
+    if local:
+        if job.plan.is_chief and (refresh or not job.train.resume):
+            run.discard()  # `--fresh` or `refresh`: a new folder and a new MLflow run.
+        finished = run.completed(job.key)
+        if finished is not None:
+            logger.info("run %s is complete under the same key: reusing it", run.name)
+            return finished
+        run.check_key(job.key)  # A named run (`train.run_name`) made under another key is refused, not overwritten.
+    index = load_index(run.checkpoint_dir) if local else CheckpointIndex()
+    start = TrainingStart.of(run, index)
+    if rendezvous is not None:
+        job, start = _join(job, rendezvous, index, start)
 
     performance = configure_performance(job.train, len(job.plan.gpu_ids), num_workers=job.plan.num_workers)
     keras.utils.set_random_seed(config.seed)
     if job.train.deterministic:
         tf.config.experimental.enable_op_determinism()
     strategy = distribute.create_strategy(job.plan)
-
-    # An epoch counts once index.json lists it: after a kill anywhere no epoch is lost and none counted twice.
-    index = load_index(run.checkpoint_dir)
-    initial_epoch = index.latest.epoch if index.latest else 0
-    history = run.read_history(initial_epoch)
-    checkpoint = run.checkpoint_dir / index.latest.model_path if initial_epoch else None
-    model = _build_model(job, strategy, performance.get("jit_compile") == "true", checkpoint)
-    if initial_epoch:
-        logger.info("resuming %s after epoch %d", run.name, initial_epoch)
+    history = run.read_history(start.epoch) if local else {}
+    model = _build_model(job, strategy, performance.get("jit_compile") == "true", start.checkpoint)
+    if not local and start.checkpoint is not None:
+        shutil.rmtree(start.checkpoint.parent, ignore_errors=True)  # The fetched copy, loaded.
+    if start.checkpoint is not None:
+        logger.info("resuming %s after %s", run.name, start.describe())
 
     run_id = _open_tracking(job, history, performance) if job.plan.is_chief else None
     checkpoint_dir = distribute.writable_dir(job.plan, run.checkpoint_dir)
@@ -305,15 +316,22 @@ def _train(
         history_path=run.history_path if job.plan.is_chief else None,
         write_records=job.plan.is_chief,
     )
+    resolver = strategy.cluster_resolver if job.plan.cluster is not None else None
+    stopper = SaveOnSigterm(checkpointer, job.steps_per_epoch, start.partial, resolver)
     try:
-        if initial_epoch < job.train.epochs:
-            all_callbacks = [*_callbacks(job, checkpointer, run_id, epoch_callback), *callbacks]
-            _fit(job, model, initial_epoch, all_callbacks, run_id)
-    except TrainingDivergedError as error:  # A NaN or infinite loss: the bad epoch was not checkpointed.
-        if run_id is not None:
-            tracking.mark_failed(job.tracking_uri, run_id, str(error))
-            run.write_state(job.key, run_id, job.tracking_uri, "diverged")
+        if start.epoch < job.train.epochs:
+            all_callbacks = [*_callbacks(job, checkpointer, stopper, run_id, epoch_callback), *callbacks]
+            with stopper.watching():
+                _fit(job, model, start, all_callbacks, run_id)
+    except (TrainingDivergedError, TrainingPreempted) as error:
+        _record_stop(job, run_id, error)
         raise
+    except distribute.LOST_PEER_ERRORS as error:  # A process of the job died or became unreachable.
+        lost = distribute.lost_peer(error, job.plan)
+        if lost is None:
+            raise
+        _record_stop(job, run_id, lost)
+        raise lost from error
     finally:
         distribute.cleanup_dir(job.plan, checkpoint_dir)
 
@@ -321,6 +339,33 @@ def _train(
     if job.plan.is_chief:
         _finish(job, run_id, checkpointer.history, result)
     return result
+
+
+def _join(
+    job: TrainingJob, rendezvous: cluster.Rendezvous, index: CheckpointIndex, start: TrainingStart
+) -> tuple[TrainingJob, TrainingStart]:
+    """Joins the job's other processes: the chief offers where its run stands, every worker starts there."""
+    chief = rendezvous.index == 0
+    offer = cluster.resume_point(job.run, index, job.tracking_uri) if chief else None
+    spec = rendezvous.join(cluster.data_digest(job.manifest), offer)
+    job = dataclasses.replace(job, plan=distribute.plan_devices(job.train, tf_config=spec.tf_config(rendezvous.index)))
+    if chief:
+        return job, start
+    return job, TrainingStart(spec.resume.epoch, spec.resume.partial, cluster.fetch_checkpoint(spec.resume))
+
+
+def _record_stop(job: TrainingJob, run_id: str | None, error: Exception) -> None:
+    """A diverged run (NaN loss: the bad epoch was not checkpointed) or one that lost a worker ends FAILED in
+    MLflow; a run stopped by SIGTERM (its state saved) ends KILLED. The next run of the same key resumes it."""
+    if run_id is None:
+        return
+    if isinstance(error, TrainingPreempted):
+        tracking.end_run(job.tracking_uri, run_id, "KILLED")
+        status = "preempted"
+    else:
+        tracking.mark_failed(job.tracking_uri, run_id, str(error))
+        status = "diverged" if isinstance(error, TrainingDivergedError) else "failed"
+    job.run.write_state(job.key, run_id, job.tracking_uri, status)
 
 
 def _build_model(job: TrainingJob, strategy, jit_compile: bool, checkpoint: Path | None) -> keras.Model:
@@ -435,7 +480,11 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
 
 
 def _callbacks(
-    job: TrainingJob, checkpointer: EpochCheckpoint, run_id: str | None, epoch_callback: Callable[[dict], None] | None
+    job: TrainingJob,
+    checkpointer: EpochCheckpoint,
+    stopper: SaveOnSigterm,
+    run_id: str | None,
+    epoch_callback: Callable[[dict], None] | None,
 ) -> list[keras.callbacks.Callback]:
     """The training callbacks, in the order `cifar.callbacks` explains."""
     train = job.train
@@ -446,7 +495,7 @@ def _callbacks(
         callbacks.append(PreciseBatchNorm(_precise_bn_batches(job)))  # After the EMA swap: the weights validated.
     if train.lookahead_steps is not None:
         callbacks.append(Lookahead(train.lookahead_steps, job.steps_per_epoch, job.steps_per_epoch * train.epochs))
-    callbacks.append(checkpointer)
+    callbacks += [stopper, checkpointer]  # A SIGTERM's save holds the step's Lookahead update; then the epoch's.
     if run_id is not None:
         callbacks.append(
             MetricsLogger(lambda epoch, metrics: tracking.log_epoch_metrics(job.tracking_uri, run_id, epoch, metrics))
@@ -468,31 +517,48 @@ AUGMENTATION_FIELDS = {
 }
 
 
-def _fit(job: TrainingJob, model: keras.Model, initial_epoch: int, callbacks: list, run_id: str | None) -> None:
-    """model.fit inside the MLflow run (for system metrics) on the chief; plain fit elsewhere."""
+def _fit(job: TrainingJob, model: keras.Model, start: TrainingStart, callbacks: list, run_id: str | None) -> None:
+    """model.fit inside the MLflow run (for system metrics) on the chief; plain fit elsewhere.
+
+    After a stop mid-epoch, a first fit runs the rest of that epoch (its remaining steps), a second the epochs after.
+    """
     train = job.train
     train_splits, validation_splits = training_splits(job.config, job.manifest)
     shared = {"batch_size": train.batch_size, "image_size": input_size(train.model), "cache": train.cache}
     augmentation = train.model_dump(include=AUGMENTATION_FIELDS)
     # Multi-worker element sharding needs the same element order on every worker.
     order = {"seed": job.config.seed, "deterministic": train.deterministic or job.plan.num_workers > 1}
-    steps = {"start_step": initial_epoch * job.steps_per_epoch, "steps_per_epoch": job.steps_per_epoch}
-    train_dataset = make_train_dataset(job.data_dir, splits=train_splits, **shared, **augmentation, **order, **steps)
     validation_dataset = None
     if validation_splits:
         validation_dataset = make_eval_dataset(job.data_dir, splits=validation_splits, **shared)
     verbose = 1 if sys.stdout.isatty() else 2  # A live progress bar on a terminal, one line per epoch in logs.
+    spans = [(start.epoch, train.epochs, 0)]  # (first epoch, end epoch, steps of the first one already done)
+    if start.partial is not None:
+        spans = [(start.epoch, start.epoch + 1, start.partial.step), (start.epoch + 1, train.epochs, 0)]
     with tracking.active_run(job.tracking_uri, run_id, system_metrics=job.config.tracking.system_metrics):
         # Ended FINISHED on success; FAILED on any exception (a SIGKILL leaves it RUNNING until resumed).
-        span = {"epochs": train.epochs, "initial_epoch": initial_epoch, "steps_per_epoch": job.steps_per_epoch}
-        model.fit(
-            train_dataset,
-            validation_data=validation_dataset,
-            callbacks=callbacks,
-            verbose=verbose,
-            shuffle=False,
-            **span,
-        )
+        for first, end, done in spans:
+            if first >= end:
+                continue
+            start_step = first * job.steps_per_epoch + done
+            steps = {"start_step": start_step, "steps_per_epoch": job.steps_per_epoch}
+            train_dataset = make_train_dataset(
+                job.data_dir, splits=train_splits, **shared, **augmentation, **order, **steps
+            )
+            # A fit of the rest of an epoch keeps the raw weights for the fit after it (see compat).
+            with compat.raw_weights_after_fit(model.optimizer, keep=end < train.epochs):
+                model.fit(
+                    train_dataset,
+                    validation_data=validation_dataset,
+                    callbacks=callbacks,
+                    verbose=verbose,
+                    shuffle=False,
+                    epochs=end,
+                    initial_epoch=first,
+                    steps_per_epoch=job.steps_per_epoch - done,
+                )
+            if model.stop_training:  # A pruned trial, or a SIGTERM at an epoch's last step.
+                break
 
 
 def _result(job: TrainingJob, run_id: str | None, index: CheckpointIndex, history: dict[str, list]) -> TrainResult:

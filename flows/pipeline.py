@@ -3,6 +3,7 @@
     python flows/pipeline.py --source ~/cifar-10-python.tar.gz --preset smoke
     python flows/pipeline.py --preset full --set train.epochs=100 --set train.gpus=1
     python flows/pipeline.py --source URL --sha256 HEX --until data --workdir /scratch/cifar
+    python flows/pipeline.py --preset smoke --set train.workers=2    # one training, two processes
 
 Returns, and writes as WORKDIR/summary.json, a `cifar.summary.PipelineSummary`; reuse and the command line:
 README and docs/ORCHESTRATION.md.
@@ -29,6 +30,7 @@ from cifar.preflight import check_request
 from cifar.summary import MlflowRunLink, PipelineSummary
 from cifar.tracking import run_label
 from flows.cli import add_run_arguments, add_set_argument, config_from_args, flow_parser
+from flows.local_pool import local_work_pool
 from tasks.artifacts import publish_report, write_summary
 from tasks.caching import result_storage
 from tasks.data import download_archive, prepare_dataset, resolve_snapshot
@@ -152,7 +154,15 @@ def check(args: argparse.Namespace) -> Request:
     overrides = ConfigOverrides.of(config)
 
     def run() -> int:
-        summary = cifar_pipeline(config=overrides, workdir=args.workdir, until=args.until, refresh=args.refresh)
+        from prefect.settings import get_current_settings
+
+        arguments = {"config": overrides, "workdir": args.workdir, "until": args.until, "refresh": args.refresh}
+        if config.train.workers > 1 and not get_current_settings().api.url and reaches(args.until, "train"):
+            # The job's other workers need a pool to be placed on: a local one for the length of the run.
+            with local_work_pool(config.train.workers - 1, resolve_workdir(args.workdir) / "logs"):
+                summary = cifar_pipeline(**arguments)
+        else:
+            summary = cifar_pipeline(**arguments)
         print(summary.describe())
         return 0
 

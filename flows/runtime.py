@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from cifar import locks
 from cifar.config import ConfigOverrides, PipelineConfig
 from cifar.io import atomic_write_json
+from cifar.preemption import STOPPED_EXIT_CODE, TrainingPreempted
 from cifar.preflight import ImpossibleRequestError
 from cifar.quiet import VERBOSE_ENV, route_framework_logs
 
@@ -38,6 +40,9 @@ SUPERVISED_ENV = "CIFAR_PIPELINE_SUPERVISED"  # Set in the child: it runs the fl
 PR_SET_CHILD_SUBREAPER = 36  # prctl option (Linux): orphaned descendants are re-parented to this process.
 EPHEMERAL_STARTUP_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 EPHEMERAL_STARTUP_SECONDS = 90
+# After a SIGTERM, how long the run gets to save and end before it is killed. Training saves within two
+# steps (cifar.callbacks.SaveOnSigterm); give `docker stop -t` / terminationGracePeriodSeconds at least this.
+STOP_GRACE_SECONDS = 60
 
 
 # --- Inside a flow run. ----------------------------------------------------------------------------
@@ -156,6 +161,9 @@ def run_command(
     log_path = log_to_file(request.workdir, script)
     try:
         return request.run()
+    except TrainingPreempted as stopped:  # SIGTERM during training: its state is saved, nothing failed.
+        print(f"stopped: {stopped} (full log: {log_path})", file=sys.stderr)
+        return STOPPED_EXIT_CODE
     except Exception as error:
         with open(log_path, "a", encoding="utf-8") as log:
             log.write(traceback.format_exc())
@@ -167,7 +175,9 @@ def run_command(
 def supervise(script: str, argv: list[str]) -> int:
     """Runs `flows/<script>.py` in a child process; afterwards no process it started is left running.
 
-    The one place that watches a run's processes: forwarding a signal to the child would go here too.
+    The one place that watches a run's processes. A SIGTERM (`docker stop`, a Kubernetes eviction, `kill PID`)
+    is forwarded to the child, which saves and ends (training: `cifar.callbacks.SaveOnSigterm`; elsewhere
+    Prefect records the flow run as crashed); the child is killed if it has not ended `STOP_GRACE_SECONDS` later.
     """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # Its orphans (the Prefect server) become ours to end.
@@ -176,17 +186,31 @@ def supervise(script: str, argv: list[str]) -> int:
     # Prefect waits 20 s for a run's temporary server; several runs starting at once on 2 busy cores took longer.
     environment.setdefault(EPHEMERAL_STARTUP_ENV, str(EPHEMERAL_STARTUP_SECONDS))
     child = subprocess.Popen(command, env=environment)  # Same process group: Ctrl-C reaches it.
+    # Only the child: the temporary Prefect server it started must outlive it to record how its flow run ended.
+    deadline, stopping = threading.Timer(STOP_GRACE_SECONDS, child.kill), threading.Event()
+    deadline.daemon = True
+
+    def forward_sigterm(signum, frame) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            child.send_signal(signal.SIGTERM)
+            deadline.start()
+
+    signal.signal(signal.SIGTERM, forward_sigterm)
     try:
         code = child.wait()
     except KeyboardInterrupt:
         code = child.wait()
     finally:
+        deadline.cancel()
         import psutil
 
         leftovers = psutil.Process().children(recursive=True)
         for process in leftovers:
             process.kill()
         psutil.wait_procs(leftovers, timeout=10)
+    if stopping.is_set():
+        return stopped_by_sigterm(script, code)
     if code < 0:
         name = signal.Signals(-code).name
         print(
@@ -196,6 +220,19 @@ def supervise(script: str, argv: list[str]) -> int:
         )
         return 1
     return code
+
+
+def stopped_by_sigterm(script: str, code: int) -> int:
+    """The supervisor's exit code after it forwarded a SIGTERM; one line unless the child said what it saved."""
+    if code in (0, STOPPED_EXIT_CODE):  # Finished anyway, or stopped training and said so.
+        return code
+    how = f"did not end within {STOP_GRACE_SECONDS} s and was killed" if code == -signal.SIGKILL else "ended"
+    print(
+        f"stopped: the {script} process was asked to stop (SIGTERM) and {how}; finished stages and epochs are "
+        "kept: run the same command again to resume",
+        file=sys.stderr,
+    )
+    return STOPPED_EXIT_CODE
 
 
 def prepare_ephemeral_database() -> None:

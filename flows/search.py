@@ -321,7 +321,8 @@ def check(args: argparse.Namespace) -> Request:
         if get_current_settings().api.url:
             summary = cifar_search(**arguments)
         else:
-            with local_work_pool(args.parallel, workdir / "logs"):
+            # A trial with train.workers = N places N - 1 workers of its own next to it.
+            with local_work_pool(args.parallel * config.train.workers, workdir / "logs"):
                 summary = cifar_search(**arguments)
         print(format_search(summary))  # The terminal shows one line of each log record: the summary in full.
         return 0

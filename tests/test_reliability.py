@@ -5,6 +5,7 @@ Every test runs `python flows/pipeline.py` in real processes, as a terminal or a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -276,3 +277,37 @@ def test_a_store_left_half_migrated_is_repaired_without_losing_runs(tmp_path, mo
     with sqlite3.connect(tmp_path / "mlflow.db") as connection:
         tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert "runs" in tables and not [name for name in tables if name.startswith("_alembic_tmp_")]
+
+
+def test_sigterm_to_the_command_during_training_saves_and_the_same_command_resumes(python_archive, tmp_path):
+    """`kill PID` of the command mid-training (sent at a known point by the run itself, CIFAR_TERM_AT): the
+    supervisor forwards it, training saves mid-epoch and exits 143 with one line, the flow run ends FAILED,
+    nothing is left running; the same command continues from the next step, each epoch logged once."""
+    workdir, home = tmp_path / "workdir", tmp_path / "prefect-home"
+    # 4 steps of 100 images per epoch; float32 spares the measurement of `train.precision: auto`.
+    three_epochs = ("--until", "train", "--set", "train.epochs=3", "--set", "train.precision=float32")
+    supervisor = subprocess.Popen(command(python_archive, workdir, *three_epochs), cwd=REPO_ROOT, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                  env=prefect_env(home, CIFAR_TERM_AT="train.reported:1"))  # fmt: skip
+    started: dict[int, psutil.Process] = {}
+    while supervisor.poll() is None:  # Every process the run starts, to check that none outlives it.
+        with contextlib.suppress(psutil.NoSuchProcess):
+            started |= {process.pid: process for process in psutil.Process(supervisor.pid).children(recursive=True)}
+        time.sleep(0.1)
+    _, stderr = supervisor.communicate()
+    assert supervisor.returncode == 128 + signal.SIGTERM, stderr[-4000:]
+    stopped = "stopped: training stopped by SIGTERM and saved after step 2 of 4 in epoch 2; run the same command again"
+    assert [line for line in stderr.splitlines() if line.startswith(stopped)], stderr[-4000:]
+    assert len(started) >= 2 and not [p for p in started.values() if p.is_running() and p.status() != "zombie"]
+    with sqlite3.connect(home / "prefect.db") as connection:
+        assert connection.execute("SELECT state_type FROM flow_run").fetchall() == [("FAILED",)]
+
+    resumed = run(python_archive, workdir, *three_epochs)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    training = summary_of(workdir).training
+    client = mlflow.MlflowClient(tracking_uri=training.tracking_uri)
+    for metric in ("loss", "accuracy", "val_accuracy"):
+        assert sorted(entry.step for entry in client.get_metric_history(training.mlflow_run_id, metric)) == [1, 2, 3]
+    assert client.get_run(training.mlflow_run_id).info.status == "FINISHED"
+    index = json.loads(Path(training.checkpoint_dir, "index.json").read_text())
+    assert index["partial"] is None and [entry["epoch"] for entry in index["entries"]][-1] == 3

@@ -184,3 +184,57 @@ def test_epochs_checkpointed_but_not_reported_are_backfilled_once(data_dir, tmp_
     assert history["epoch"] == [1, 2, 3]
     assert 999.0 not in history["loss"]
     assert 999.0 not in [metric.value for metric in client.get_metric_history(result.mlflow_run_id, "loss")]
+
+
+class SigtermAt(__import__("keras").callbacks.Callback):
+    """Sends this process SIGTERM after step `step` of epoch `epoch` (1-based), as `kill PID` would."""
+
+    def __init__(self, epoch: int, step: int):
+        super().__init__()
+        self.at, self.epoch = (epoch, step), 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch + 1
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch + 1) == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_mid_epoch_and_the_next_run_continues_from_the_next_step(data_dir, tmp_path):
+    from cifar import tracking
+    from cifar.config import make_config
+    from cifar.train import TrainingPreempted, train
+
+    # EMA on: the fit of the rest of an epoch must hand the raw weights, not their average, to the next one.
+    settings = {**CONFIG["train"], "epochs": 3, "run_name": "sigterm", "ema_decay": 0.9}
+    config = make_config("default", {"train": settings, "tracking": {"system_metrics": False}})
+    steps_per_epoch = 400 // 32
+    checkpoint_dir = tmp_path / "runs" / "sigterm" / "checkpoints"
+    before = signal.getsignal(signal.SIGTERM)
+
+    with pytest.raises(TrainingPreempted, match="saved after step 5 of 12 in epoch 2; run the same command again"):
+        train(config, data_dir, tmp_path, callbacks=[SigtermAt(epoch=2, step=3)])
+    assert signal.getsignal(signal.SIGTERM) is before  # TF's handler owned SIGTERM only while training.
+    index = load_index(checkpoint_dir)
+    # TF's handler acts at the step after it saw the signal and saves after the next: step 3 + 2.
+    assert index.latest.epoch == 1 and (index.partial.epoch, index.partial.step) == (2, 5)
+    assert (checkpoint_dir / index.partial.model_path).is_file()
+    state = json.loads((checkpoint_dir.parent / "state.json").read_text())
+    client = mlflow.MlflowClient(tracking.resolve_tracking_uri(config.tracking, tmp_path))
+    assert state["status"] == "preempted" and client.get_run(state["mlflow_run_id"]).info.status == "KILLED"
+
+    result = train(config, data_dir, tmp_path)
+    assert result.epochs_completed == 3 and result.mlflow_run_id == state["mlflow_run_id"]
+    for key in ("loss", "accuracy", "val_accuracy", "epoch_seconds"):  # Each epoch once, in the same run.
+        assert sorted(metric.step for metric in client.get_metric_history(result.mlflow_run_id, key)) == [1, 2, 3]
+    index = load_index(checkpoint_dir)
+    assert index.partial is None and not list(checkpoint_dir.glob("*-step-*"))
+    history = json.loads((checkpoint_dir.parent / "history.json").read_text())
+    assert history["epoch"] == [1, 2, 3]
+    import keras
+
+    import cifar.train  # noqa: F401  Registers the optimizers and the loss before deserializing.
+
+    saved = keras.models.load_model(checkpoint_dir / index.latest.model_path)
+    assert int(saved.optimizer.iterations.numpy()) == 3 * steps_per_epoch  # No step lost, none repeated.

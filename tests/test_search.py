@@ -255,7 +255,7 @@ def test_the_local_pool_of_a_background_search_starts_its_workers_and_stops_them
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "['local-0', 'local-1'] cifar-process"
-    logs = sorted((tmp_path / "logs").glob("search-worker-*.log"))
+    logs = sorted((tmp_path / "logs").glob("pool-worker-*.log"))
     assert len(logs) == 2
     for index, log in enumerate(logs):
         assert f"Worker 'local-{index}' stopped!" in log.read_text(), log.read_text()[-2000:]
