@@ -18,6 +18,7 @@ import pytest
 from test_evaluate import prepare_fixture_data, write_checkpoints
 
 from cifar.config import MonitorConfig, make_config
+from cifar.data.additions import NoUsableImagesError
 from cifar.data.manifest import load_manifest
 from cifar.data.synthetic import CLASS_NAMES, write_batch_file, write_image_folder
 from cifar.evaluate import evaluate, load_split
@@ -161,6 +162,45 @@ def test_unreadable_files_in_a_folder_are_listed_and_skipped(registered, tmp_pat
     resized = score(registered, open_source(folder, resize="bilinear"))
     assert resized.images == 21 and resized.resize == "bilinear" and resized.digest != result.digest
     assert "large.png" in pq.read_table(resized.predictions_path).column("image").to_pylist()
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("folder", "1 file left out: notes.txt (undecodable: not an image PIL can read)"),
+        ("npy", "it holds no images (.npy array)"),
+        ("batch_file", "it holds no images (CIFAR batch file)"),
+        ("tfrecord", "it holds no images (TFRecords)"),
+    ],
+)
+def test_an_input_with_no_readable_image_is_refused_naming_what_could_not_be_read(registered, tmp_path, kind, message):
+    # Issue 39: a folder holding only a text file ended in the drift histogram's `Size mismatch between "values" ...`.
+    if kind == "folder":
+        path = tmp_path / "photos"
+        path.mkdir()
+        (path / "notes.txt").write_text("not an image")
+    elif kind == "tfrecord":
+        path = tmp_path / "empty.tfrecord"
+        path.write_bytes(b"")
+    else:
+        path, _, _ = write_source(kind, np.zeros((0, 32, 32, 3), np.uint8), tmp_path, registered["data_dir"])
+    before = recorded(registered)
+
+    with pytest.raises(NoUsableImagesError) as raised:
+        score(registered, path)
+
+    assert str(raised.value) == f"no usable image in {Path(path).resolve()}: {message}"
+    assert recorded(registered) == before  # No predictions, no MLflow run.
+
+
+def recorded(registered: dict) -> tuple[list[str], list[str]]:
+    """The workdir's prediction outputs (not their locks) and the ids of its prediction runs in MLflow."""
+    root = registered["workdir"] / "predictions"
+    outputs = sorted(path.name for path in root.iterdir() if not path.name.endswith(".lock")) if root.exists() else []
+    client = mlflow.MlflowClient(tracking_uri=registered["tracking_uri"])
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    runs = [run.info.run_id for run in client.search_runs([experiment.experiment_id])] if experiment else []
+    return outputs, sorted(runs)
 
 
 def test_the_same_input_is_never_scored_twice(registered, tmp_path):

@@ -18,7 +18,7 @@ from conftest import TEST_EXAMPLES, TRAIN_PER_BATCH
 from PIL import Image
 
 from cifar.config import make_config
-from cifar.data.additions import read_addition
+from cifar.data.additions import NoUsableImagesError, read_addition
 from cifar.data.archive import UnsafePickleError
 from cifar.data.drift import Profile, image_features, js_divergence, linf_distance
 from cifar.data.gate_checks import DataValidationError
@@ -199,6 +199,39 @@ def test_a_bad_addition_is_refused_with_one_line_naming_the_check_and_files(
     config = config_for(python_archive, enforce=False)
     result, report = ingest_addition(config, folder, base_workdir, archive_info(python_archive), None)
     assert result.changed and not result.passed and [item.name for item in report.failed()] == [check]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("empty", "the folder holds no files"),
+        ("misspelt_class", "1 file left out: dragon/a.png (unknown_class: folder 'dragon' is not a class name"),
+        ("text_only", "2 files left out: cat/notes.txt (undecodable: not an image PIL can read); loose.png"),
+        ("empty_batch", "the batch file holds no images"),
+    ],
+)
+def test_an_addition_with_no_usable_image_is_refused_naming_each_file_and_nothing_is_stored(
+    python_archive, tmp_path, content, message
+):
+    # Issue 39: these ended in `cannot reshape array of size 0 into shape (0,newaxis)` from the gate.
+    path = tmp_path / "new"
+    path.mkdir()
+    if content == "misspelt_class":
+        (path / "dragon").mkdir()
+        Image.fromarray(make_split(1, seed=3)[0][0]).save(path / "dragon" / "a.png")
+    elif content == "text_only":
+        (path / "cat").mkdir()
+        (path / "cat" / "notes.txt").write_text("not an image")
+        Image.fromarray(make_split(1, seed=3)[0][0]).save(path / "loose.png")
+    elif content == "empty_batch":
+        path = write_batch_file(tmp_path / "data_batch_6", np.zeros((0, 32, 32, 3), np.uint8), [])
+    workdir = tmp_path / "workdir"
+
+    with pytest.raises(NoUsableImagesError) as raised:
+        ingest_addition(config_for(python_archive), path, workdir, archive_info(python_archive), None)
+
+    assert str(raised.value).startswith(f"no usable image in {path}: {message}") and "\n" not in str(raised.value)
+    assert not (workdir / "data").exists()  # Refused as read: no store, no rejected report, no analysis.
 
 
 def test_a_shifted_test_image_in_an_addition_is_leakage_kept_out_of_training(python_archive, base_workdir, tmp_path):

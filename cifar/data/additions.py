@@ -4,7 +4,8 @@
     folder       PATH/<class name>/<file>, PNG or JPEG, 32x32 RGB; `cat/001.png` is a cat
 
 Nothing is trusted: a file that cannot be used is listed with why and left out; the validation gate
-decides whether that is acceptable (docs/DATA.md, "Reading additions").
+decides whether that is acceptable (docs/DATA.md, "Reading additions"). A source with no usable image
+at all is refused here (`NoUsableImagesError`), naming every file's reason.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import os
 import stat
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +28,7 @@ IMAGE_FORMATS = {"PNG", "JPEG"}
 # Declared resizes an addition may opt into (PIL's filters); the method is recorded with the addition.
 RESIZE_METHODS = ("bilinear", "bicubic", "lanczos", "box", "nearest")
 DIGEST_PREFIX = b"cifar-addition-v1\n"  # Versions the digest's definition, not the data.
+NAMED_PROBLEMS = 5  # Files named in the one line of a NoUsableImagesError; the rest are counted.
 
 
 class FileProblem(BaseModel):
@@ -36,6 +39,24 @@ class FileProblem(BaseModel):
     file: str  # Relative to the addition (a folder), or `<batch file>#<row>`.
     problem: str  # The kind: undecodable, truncated, size, mode, unknown_class, not_in_class_folder, link, format.
     detail: str
+
+
+class NoUsableImagesError(ValueError):
+    """Not one image of a source could be used: one line naming the source and why its files were left out.
+
+    An ordinary outcome of every reader (an empty folder, a misspelt class folder, a folder of text
+    files, an empty batch file or array), refused where it is read, before anything is stored or scored.
+    """
+
+    def __init__(self, source: str | Path, problems: Sequence[FileProblem], empty: str) -> None:
+        self.problems = list(problems)
+        if self.problems:
+            shown = "; ".join(f"{item.file} ({item.problem}: {item.detail})" for item in problems[:NAMED_PROBLEMS])
+            more = f"; and {len(problems) - NAMED_PROBLEMS} more" if len(problems) > NAMED_PROBLEMS else ""
+            reason = f"{len(problems)} file{'s' if len(problems) > 1 else ''} left out: {shown}{more}"
+        else:
+            reason = empty  # Nothing was left out: there was nothing (`empty` says so in the source's terms).
+        super().__init__(f"no usable image in {source}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -64,19 +85,25 @@ class Addition:
 
 
 def read_addition(path: str | Path, class_names: list[str], *, resize: str | None = None) -> Addition:
-    """Reads a batch file or an image folder (decided by what `path` is); raises ValueError if it is neither."""
+    """Reads a batch file or an image folder (decided by what `path` is); raises ValueError if it is neither,
+    and NoUsableImagesError (a ValueError) if not one of its images can be used."""
     path = Path(path).expanduser()
     if resize is not None and resize not in RESIZE_METHODS:
         raise ValueError(f"resize must be one of {', '.join(RESIZE_METHODS)}, got {resize!r}")
     if path.is_symlink():
         raise ValueError(f"{path} is a symbolic link: give the file or folder itself")
     if path.is_dir():
-        return read_image_folder(path, class_names, resize=resize)
-    if path.is_file():
+        addition = read_image_folder(path, class_names, resize=resize)
+    elif path.is_file():
         if resize is not None:
             raise ValueError("resize applies to image folders; a batch file's rows are 32x32 by definition")
-        return read_batch_file(path)
-    raise ValueError(f"no file or folder at {path}")
+        addition = read_batch_file(path)
+    else:
+        raise ValueError(f"no file or folder at {path}")
+    if not len(addition.labels):
+        empty = "the folder holds no files" if addition.kind == "folder" else "the batch file holds no images"
+        raise NoUsableImagesError(path, addition.problems, empty)
+    return addition
 
 
 def read_batch_file(path: str | Path) -> Addition:

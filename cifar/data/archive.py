@@ -292,6 +292,13 @@ def _latin1_encode(text: str, encoding: str = "utf-8") -> bytes:
     return text.encode("latin-1")
 
 
+def _empty_bytes(*arguments: Any) -> bytes:
+    """What protocol-2 pickles written by Python 3 call for an empty bytes object (an empty batch's pixels): bytes()."""
+    if arguments:  # bytes(n) would allocate n bytes the pickle never held.
+        raise UnsafePickleError(f"pickle calls bytes{arguments!r}; only bytes() (empty) is allowed")
+    return b""
+
+
 def _plain_dtype(*arguments: Any) -> np.dtype:
     """numpy.dtype, refusing object dtypes (whose arrays would unpickle arbitrary objects)."""
     dtype = np.dtype(*arguments)
@@ -310,6 +317,7 @@ ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): _plain_dtype,
     ("_codecs", "encode"): _latin1_encode,
+    ("__builtin__", "bytes"): _empty_bytes,
 }
 
 

@@ -11,13 +11,20 @@ import hashlib
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from cifar.data.additions import RESIZE_METHODS, FileProblem, decode_image, read_batch_rows, walk_files
+from cifar.data.additions import (
+    RESIZE_METHODS,
+    FileProblem,
+    NoUsableImagesError,
+    decode_image,
+    read_batch_rows,
+    walk_files,
+)
 from cifar.data.drift import Profile, image_features
 from cifar.data.manifest import IMAGE_BYTES, IMAGE_SHAPE
 from cifar.io import CHUNK_BYTES
@@ -208,6 +215,28 @@ def read_ahead(source: ImageSource, chunk_size: int = CHUNK_IMAGES, depth: int =
     finally:
         stop.set()
         producer.join()
+
+
+def read_usable(source: ImageSource, chunk_size: int = CHUNK_IMAGES) -> Iterator[tuple[Chunk, Profile]]:
+    """`read_ahead`, read up to the source's first image before it returns: a source without one raises
+    NoUsableImagesError here, naming every file left out, before anything is scored or recorded."""
+    chunks = read_ahead(source, chunk_size)
+    before: list[tuple[Chunk, Profile]] = []  # Chunks of problems only: a few lists of names.
+    for item in chunks:
+        before.append(item)
+        if len(item[0].images):
+            return _resumed(before, chunks)
+    problems = [problem for chunk, _ in before for problem in chunk.problems]
+    raise NoUsableImagesError(source.path, problems, f"it holds no images ({KIND_NAMES[source.kind]})")
+
+
+def _resumed(before: list, rest: Generator) -> Generator:
+    """The chunks already read, then the rest; closing it stops the read-ahead thread."""
+    try:
+        yield from before
+        yield from rest
+    finally:
+        rest.close()
 
 
 def _folder_chunks(source: ImageSource, chunk_size: int) -> Iterator[Chunk]:
