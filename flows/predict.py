@@ -27,7 +27,7 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, State
 
 from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir
-from cifar.data.additions import RESIZE_METHODS
+from cifar.data.additions import RESIZE_METHODS, printable
 from cifar.predict import DEFAULT_MODEL, KIND_NAMES, PredictionResult, open_source, parse_model_uri
 from cifar.predict import predict as predict_images
 from cifar.summary import MlflowRunLink
@@ -114,7 +114,10 @@ def report_markdown(result: PredictionResult) -> str:
         lines += [f"| {name} | {value} | {threshold} |" for name, value, threshold in measures]
     if result.problems:
         lines += ["", "| skipped file | problem | detail |", "|---|---|---|"]
-        lines += [f"| `{problem.file}` | {problem.problem} | {problem.detail} |" for problem in result.problems[:50]]
+        lines += [
+            f"| `{printable(problem.file)}` | {problem.problem} | {printable(problem.detail)} |"
+            for problem in result.problems[:50]
+        ]
         if len(result.problems) > 50:
             lines.append(f"| ... {len(result.problems) - 50} more in summary.json | | |")
     return "\n".join(lines) + "\n"

@@ -92,13 +92,23 @@ def mutations(draw, data: bytes) -> bytes:
 
 NAME_BYTES = 255  # The longest file name Linux file systems take.
 PLAUSIBLE_NAMES = ["Cat", "cat ", "dragon", ".cat", "cat.png", "data_batch_1", "-", "~", " ", "a\nb", "cat\x7f"]
+
+
+def _as_file_name(name: str) -> str:
+    """`name` made a name a file can have: no '/' or NUL, not '.' or '..', at most NAME_BYTES bytes."""
+    name = name.replace("/", "_").replace("\x00", "_")
+    while len(os.fsencode(name)) > NAME_BYTES:
+        name = name[:-1]
+    return name if name not in ("", ".", "..") else f"{name}_"
+
+
 file_names = st.one_of(
     st.sampled_from(CLASS_NAMES),
     st.sampled_from(PLAUSIBLE_NAMES),
-    st.text(st.characters(exclude_characters="/\x00"), min_size=1, max_size=30),
+    st.text(min_size=1, max_size=30),
     st.binary(min_size=1, max_size=20).map(os.fsdecode),  # Not UTF-8: arrives surrogate-escaped.
     st.integers(200, NAME_BYTES).map(lambda length: "n" * length),
-).filter(lambda name: name not in (".", "..") and "/" not in name and len(os.fsencode(name)) <= NAME_BYTES)
+).map(_as_file_name)
 
 
 # Images: encoded by PIL in any format, mode and size; headers that lie; broken files.
@@ -123,6 +133,7 @@ class ImageFile(Sample):
     data: bytes
     pixels: np.ndarray | None = None
     description: str = ""
+    declared: tuple[int, int] | None = None  # (width, height) its header states, when that is a lie.
 
 
 def encode(image: Image.Image, image_format: str, **options) -> bytes:
@@ -157,7 +168,7 @@ def encoded_images(draw, sides=SIDES) -> ImageFile:
     return ImageFile(encode(image, image_format, **options), rgb if lossless else None, description)
 
 
-def _patch_dimensions(data: bytes, image_format: str, width: int, height: int) -> bytes:
+def with_declared_dimensions(data: bytes, image_format: str, width: int, height: int) -> bytes:
     """A real 32x32 file's header rewritten to declare `width` x `height` (the pixel data left as it was)."""
     data = bytearray(data)
     if image_format == "PNG":  # Signature (8), IHDR length (4), b"IHDR", width, height, 5 bytes more, CRC.
@@ -177,7 +188,7 @@ def lying_headers(draw) -> ImageFile:
     width, height = draw(HUGE_SIDES), draw(HUGE_SIDES)
     real = encode(Image.fromarray(np.full((32, 32, 3), 90, np.uint8)), image_format)
     return ImageFile(
-        _patch_dimensions(real, image_format, width, height), None, f"{image_format} declaring {width}x{height}"
+        with_declared_dimensions(real, image_format, width, height), None, f"{image_format} declaring {width}x{height}"
     )
 
 

@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 from fuzz_strategies import archives, batch_files, budget, one_line
 from hypothesis import given
 
@@ -27,6 +28,9 @@ from cifar.data.archive import (
     safe_extract,
 )
 from harness import REPO_ROOT
+
+# A warning is a line on a person's terminal too: any the readers let out fails the property.
+pytestmark = pytest.mark.filterwarnings("error")
 
 MARKER = Path(tempfile.gettempdir()) / f"cifar-fuzz-archive-ran-code-{os.getpid()}"  # A pickle that ran makes it.
 REFUSALS = (UnsafeArchiveError, CorruptArchiveError, UnsafePickleError, UnknownLayoutError, InvalidDatasetError)

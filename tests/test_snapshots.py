@@ -18,7 +18,7 @@ from conftest import TEST_EXAMPLES, TRAIN_PER_BATCH
 from PIL import Image
 
 from cifar.config import make_config
-from cifar.data.additions import NoUsableImagesError, read_addition
+from cifar.data.additions import MAX_DECODED_PIXELS, NoUsableImagesError, decode_image, read_addition
 from cifar.data.archive import UnsafePickleError
 from cifar.data.drift import Profile, image_features, js_divergence, linf_distance
 from cifar.data.gate_checks import DataValidationError
@@ -108,6 +108,45 @@ def test_the_same_content_is_the_same_addition_and_batch_files_are_unpickled_saf
     hostile.write_bytes(__import__("pickle").dumps({"data": RunsCommand(), "labels": [0]}))
     with pytest.raises(UnsafePickleError, match="builtins.print"):
         read_addition(hostile, list(CLASS_NAMES))
+
+
+# Found by the fuzz suite (tests/test_fuzz_additions.py, issue 39).
+
+
+def declaring(image_format: str, width: int, height: int) -> bytes:
+    """A real 32x32 image file whose header declares `width` x `height` (its pixel data left as it was)."""
+    from fuzz_strategies import with_declared_dimensions
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(buffer, format=image_format)
+    return with_declared_dimensions(buffer.getvalue(), image_format, width, height)
+
+
+@pytest.mark.parametrize("image_format", ["PNG", "JPEG"])
+def test_an_image_declaring_other_dimensions_is_refused_from_its_header_not_decoded(tmp_path, image_format):
+    # A 236 KB PNG of 9000x9000 pixels took 310 MB and a second to refuse: it was decoded before its size was read.
+    # These files hold 32x32 pixels: decoded as 9000x9000 they would be `truncated`, not `size`.
+    path = tmp_path / "big"
+    path.write_bytes(declaring(image_format, 9000, 9000))
+    assert decode_image(path, None) == (
+        None,
+        ("size", "9000x9000 pixels, expected 32x32 (or opt into a declared resize)"),
+    )
+    kind, detail = decode_image(path, "bilinear")[1]
+    assert kind == "size" and f"over the {MAX_DECODED_PIXELS:,} pixels" in detail  # 81 M pixels: too many to decode.
+
+
+def test_a_file_name_with_a_newline_is_shown_escaped_on_the_one_line(tmp_path):
+    folder = tmp_path / "new"
+    (folder / "dragon").mkdir(parents=True)
+    (folder / "dragon" / "a\nb.png").write_bytes(b"not an image")
+    with pytest.raises(NoUsableImagesError) as raised:
+        read_addition(folder, list(CLASS_NAMES))
+    assert str(raised.value) == (
+        f"no usable image in {folder}: 1 file left out: dragon/a\\nb.png (unknown_class: folder 'dragon' is not a "
+        f"class name ({', '.join(CLASS_NAMES)}))"
+    )
+    assert raised.value.problems[0].file == "dragon/a\nb.png"  # The record keeps the name as it is.
 
 
 # Measures and fingerprints.

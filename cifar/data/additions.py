@@ -25,6 +25,7 @@ from cifar.data.manifest import IMAGE_SHAPE
 
 MAX_BATCH_FILE_BYTES = 1 << 30  # An official batch is 31 MB; a 1 GiB pickle (330,000 images) is the ceiling.
 IMAGE_FORMATS = {"PNG", "JPEG"}
+MAX_DECODED_PIXELS = 7680 * 4320  # An 8K frame (~100 MB as RGB): the largest image a declared resize decodes.
 # Declared resizes an addition may opt into (PIL's filters); the method is recorded with the addition.
 RESIZE_METHODS = ("bilinear", "bicubic", "lanczos", "box", "nearest")
 DIGEST_PREFIX = b"cifar-addition-v1\n"  # Versions the digest's definition, not the data.
@@ -41,6 +42,12 @@ class FileProblem(BaseModel):
     detail: str
 
 
+def printable(text: str) -> str:
+    """`text` as a terminal shows it on one line: escaped as repr escapes it when it holds a newline or another
+    control character, or bytes that are not UTF-8 (surrogate-escaped names); left as it is otherwise."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 class NoUsableImagesError(ValueError):
     """Not one image of a source could be used: one line naming the source and why its files were left out.
 
@@ -51,7 +58,10 @@ class NoUsableImagesError(ValueError):
     def __init__(self, source: str | Path, problems: Sequence[FileProblem], empty: str) -> None:
         self.problems = list(problems)
         if self.problems:
-            shown = "; ".join(f"{item.file} ({item.problem}: {item.detail})" for item in problems[:NAMED_PROBLEMS])
+            shown = "; ".join(
+                f"{printable(item.file)} ({item.problem}: {printable(item.detail)})"
+                for item in problems[:NAMED_PROBLEMS]
+            )
             more = f"; and {len(problems) - NAMED_PROBLEMS} more" if len(problems) > NAMED_PROBLEMS else ""
             reason = f"{len(problems)} file{'s' if len(problems) > 1 else ''} left out: {shown}{more}"
         else:
@@ -200,30 +210,38 @@ def walk_files(root: Path) -> list[tuple[str, os.DirEntry | None]]:
 def decode_image(path: Path, resize: str | None) -> tuple[np.ndarray | None, tuple[str, str] | None]:
     """(HWC uint8 image (32, 32, 3), None) or (None, (problem kind, detail)) for one PNG or JPEG file.
 
-    The kinds: format, undecodable, truncated, mode, size (another size without a declared `resize`).
-    Shared with batch prediction (cifar.predict), so both read an image file the same way.
+    The kinds: format, undecodable, truncated, mode, size (another size without a declared `resize`, or more
+    than MAX_DECODED_PIXELS with one). The size is judged from the header, before anything is decoded: a few
+    hundred bytes can declare gigapixels. Shared with batch prediction (cifar.predict), so both read an
+    image file the same way.
     """
     from PIL import Image, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PIL's remarks on a damaged file ("Corrupt EXIF data") are not for people.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
+            with Image.open(path) as image:  # Reads the header only.
                 if image.format not in IMAGE_FORMATS:
                     return None, ("format", f"{image.format} image; only PNG and JPEG are read")
+                width, height = image.size
+                if (width, height) != IMAGE_SHAPE[:2] and resize is None:
+                    return None, ("size", f"{width}x{height} pixels, expected 32x32 (or opt into a declared resize)")
+                if width * height > MAX_DECODED_PIXELS:
+                    return None, ("size", f"{width}x{height} pixels, over the {MAX_DECODED_PIXELS:,} pixels of "
+                                          "the largest image a resize decodes")  # fmt: skip
                 image.load()  # Decodes every byte: a truncated file fails here.
                 image = _as_rgb(image)
                 if image is None:
                     return None, ("mode", "not an RGB image (grey, CMYK, or transparent pixels)")
                 if image.size != IMAGE_SHAPE[:2]:
-                    if resize is None:
-                        size = f"{image.size[0]}x{image.size[1]}"
-                        return None, ("size", f"{size} pixels, expected 32x32 (or opt into a declared resize)")
                     image = image.resize(IMAGE_SHAPE[:2], getattr(Image.Resampling, resize.upper()))
                 return np.asarray(image, np.uint8).copy(), None
     except UnidentifiedImageError:
         return None, ("undecodable", "not an image PIL can read")
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:  # PIL's own header check.
+        return None, ("size", str(error))
+    except (OSError, SyntaxError, ValueError) as error:
         kind = "truncated" if "truncated" in str(error).lower() else "undecodable"
         return None, (kind, f"{type(error).__name__}: {error}")
 
