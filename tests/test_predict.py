@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import threading
 import time
 from pathlib import Path
@@ -15,10 +17,12 @@ import numpy as np
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from fuzz_strategies import frame
 from test_evaluate import prepare_fixture_data, write_checkpoints
 
 from cifar.config import MonitorConfig, make_config
 from cifar.data.additions import NoUsableImagesError
+from cifar.data.convert import encode_examples
 from cifar.data.manifest import load_manifest
 from cifar.data.synthetic import CLASS_NAMES, write_batch_file, write_image_folder
 from cifar.evaluate import evaluate, load_split
@@ -31,6 +35,7 @@ from cifar.predict import (
     judge,
     open_source,
     predict,
+    read_usable,
     resolve_model,
 )
 from cifar.registry import register_and_promote
@@ -201,6 +206,58 @@ def recorded(registered: dict) -> tuple[list[str], list[str]]:
     experiment = client.get_experiment_by_name(EXPERIMENT)
     runs = [run.info.run_id for run in client.search_runs([experiment.experiment_id])] if experiment else []
     return outputs, sorted(runs)
+
+
+# Found by the fuzz suite (tests/test_fuzz_prediction_inputs.py, issue 39); the readers alone, no model.
+
+
+@pytest.mark.parametrize(
+    ("payload", "detail"),
+    [
+        (frame(b"x" * 100, length=2**40), "record 3 (byte 9,378) states 1,099,511,627,776 bytes, over the 65,536"),
+        (frame(b"x" * 100, length=200), "record 3 (byte 9,378) states 200 bytes, more than the file holds"),
+        (frame(b"\x80abc"), "a record is not an Example of a 32x32 image"),
+    ],
+    ids=["a record of a TiB", "a record past the end", "a record TensorFlow quotes in bytes"],
+)
+def test_a_shard_whose_records_cannot_be_read_safely_is_skipped_whole(tmp_path, payload, detail):
+    # A 1 TiB record crashed the process (TensorFlow allocates what a header states); non-UTF-8 bytes in
+    # TensorFlow's own message leaked a UnicodeDecodeError.
+    images = np.random.default_rng(5).integers(0, 256, (3, 32, 32, 3), np.uint8)
+    good = b"".join(frame(bytes(row)) for row in encode_examples(images, np.zeros(3, np.int64)))
+    (tmp_path / "a.tfrecord").write_bytes(good)
+    (tmp_path / "b.tfrecord").write_bytes(good + payload)
+
+    chunks = list(read_usable(open_source(tmp_path)))
+
+    [problem] = [problem for chunk, _ in chunks for problem in chunk.problems]
+    assert (problem.file, problem.problem) == ("b.tfrecord", "undecodable") and detail in problem.detail
+    np.testing.assert_array_equal(np.concatenate([chunk.images for chunk, _ in chunks]), images)
+
+
+def test_a_batch_file_of_any_pickle_protocol_is_a_source(tmp_path):
+    # Protocols 0 and 1 (no PROTO opcode first) were refused as "not a source of images".
+    images = np.random.default_rng(6).integers(0, 256, (2, 32, 32, 3), np.uint8)
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        rows = images.transpose(0, 3, 1, 2).reshape(2, 3072)
+        (tmp_path / "test_batch").write_bytes(pickle.dumps({"data": rows, "labels": [0, 1]}, protocol))
+        [(chunk, _)] = list(read_usable(open_source(tmp_path / "test_batch")))
+        np.testing.assert_array_equal(chunk.images, images)
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_npy_header_stating_more_images_than_the_file_holds_is_refused_before_any_work(tmp_path):
+    # A header stating (2, 2**31, 2**31) made NumPy warn of an overflow on the terminal while mapping the file.
+    for shape, stated in (
+        ((2, 2**31, 2**31), "holds uint8 (2, 2147483648, 2147483648)"),
+        ((10**12, 32, 32, 3), "states 1,000,000,000,000 images in its header but holds 64"),
+    ):
+        path = tmp_path / "images.npy"
+        with open(path, "wb") as handle:
+            np.lib.format.write_array_header_1_0(handle, {"descr": "|u1", "fortran_order": False, "shape": shape})
+            handle.write(bytes(64))
+        with pytest.raises(ValueError, match=re.escape(stated)):
+            open_source(path)
 
 
 def test_the_same_input_is_never_scored_twice(registered, tmp_path):
