@@ -27,10 +27,11 @@ from prefect.runtime import flow_run
 from prefect.states import Completed, State
 
 from cifar.config import ConfigOverrides, PipelineConfig, resolve_workdir
-from cifar.data.additions import RESIZE_METHODS, printable
+from cifar.data.additions import RESIZE_METHODS
 from cifar.predict import DEFAULT_MODEL, KIND_NAMES, PredictionResult, open_source, parse_model_uri
 from cifar.predict import predict as predict_images
 from cifar.summary import MlflowRunLink
+from cifar.text import printable
 from cifar.tracking import resolve_tracking_uri
 from flows.cli import add_set_argument, flow_parser, overrides_from_args
 from tasks.artifacts import ProgressReporter

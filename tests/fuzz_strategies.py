@@ -648,3 +648,67 @@ def request_bodies(draw) -> tuple[str, np.ndarray | None, bool]:
     if kind == "nested":  # Deeper than Python's recursion limit is MLflow's 500 (test_fuzz_serving.py).
         return '{"inputs": ' + deeply_nested(draw(st.integers(1, 500))) + "}", None, False
     return draw(st.text(max_size=60)), None, False
+
+
+# Configuration documents: a deployment form's JSON and the command line's --set, shaped by the config or not.
+
+
+def _field_values(field) -> st.SearchStrategy:
+    """Values for one config field: near its type (the default's kind, a Literal's choices) or any JSON at all."""
+    import typing
+
+    default = field.default
+    choices = [argument for argument in typing.get_args(field.annotation) if isinstance(argument, str)]
+    if typing.get_origin(field.annotation) is typing.Literal:
+        near = st.sampled_from(choices) | st.text(max_size=10)
+    elif isinstance(default, bool):
+        near = st.booleans() | st.sampled_from(["false", "true", 0, 1, "yes"])
+    elif isinstance(default, int):
+        near = st.integers(-3, 70_000) | st.integers() | st.floats(-1, 100) | st.sampled_from([2**31, 2**63, "3"])
+    elif isinstance(default, float):
+        near = st.floats() | st.floats(-0.5, 2) | st.integers(-5, 100) | st.sampled_from(["inf", "nan", "1e-3"])
+    elif isinstance(default, str):
+        near = st.just(default) | st.text(max_size=30) | st.sampled_from(["resnet20", "resnet21", "resnet" + "9" * 40])
+    else:
+        near = st.none() | st.integers(-2, 100) | st.floats() | st.lists(st.integers(-1, 4), max_size=3)
+    return near | JSON_VALUES
+
+
+@st.composite
+def config_documents(draw) -> Any:
+    """What a deployment form (or a -p config=... on the command line) submits as the `config` parameter."""
+    from cifar.config import PRESETS, PipelineConfig
+
+    if draw(st.integers(0, 19)) == 0:
+        return draw(JSON_VALUES)  # Not even a mapping.
+    document: dict[str, Any] = {"preset": draw(st.sampled_from(sorted(PRESETS)) | st.text(max_size=8))}
+    sections = [
+        name for name, field in PipelineConfig.model_fields.items() if hasattr(field.annotation, "model_fields")
+    ]
+    for section in draw(st.lists(st.sampled_from(sections), max_size=3, unique=True)):
+        fields = PipelineConfig.model_fields[section].annotation.model_fields
+        chosen = draw(st.lists(st.sampled_from(sorted(fields)), min_size=1, max_size=3, unique=True))
+        document[section] = {name: draw(_field_values(fields[name])) for name in chosen}
+    if draw(st.integers(0, 9)) == 0:
+        document[draw(st.text(max_size=8))] = draw(JSON_VALUES)  # A field the config does not have.
+    if draw(st.booleans()):
+        document["seed"] = draw(_field_values(PipelineConfig.model_fields["seed"]))
+    return document
+
+
+@st.composite
+def set_assignments(draw) -> list[str]:
+    """--set arguments as a person types them: section.field=value, the value JSON or plain text."""
+    from cifar.config import PipelineConfig
+
+    assignments = []
+    for _ in range(draw(st.integers(1, 3))):
+        section = draw(st.sampled_from(["train", "data", "validate", "evaluate", "export", "monitor", "tracking"]))
+        fields = PipelineConfig.model_fields[section].annotation.model_fields
+        name = draw(st.sampled_from(sorted(fields)))
+        key = draw(st.just(f"{section}.{name}") | st.text(max_size=12))
+        value = draw(
+            _field_values(fields[name]).map(json.dumps) | st.text(max_size=20) | NESTING_DEPTHS.map(deeply_nested)
+        )
+        assignments.append(f"{key}={value}" if draw(st.integers(0, 9)) else key)
+    return assignments

@@ -22,6 +22,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from cifar.data.manifest import IMAGE_SHAPE
+from cifar.text import printable
 
 MAX_BATCH_FILE_BYTES = 1 << 30  # An official batch is 31 MB; a 1 GiB pickle (330,000 images) is the ceiling.
 IMAGE_FORMATS = {"PNG", "JPEG"}
@@ -40,12 +41,6 @@ class FileProblem(BaseModel):
     file: str  # Relative to the addition (a folder), or `<batch file>#<row>`.
     problem: str  # The kind: undecodable, truncated, size, mode, unknown_class, not_in_class_folder, link, format.
     detail: str
-
-
-def printable(text: str) -> str:
-    """`text` as a terminal shows it on one line: escaped as repr escapes it when it holds a newline or another
-    control character, or bytes that are not UTF-8 (surrogate-escaped names); left as it is otherwise."""
-    return text if text.isprintable() else repr(text)[1:-1]
 
 
 class NoUsableImagesError(ValueError):

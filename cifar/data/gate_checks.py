@@ -13,11 +13,11 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from cifar.config import ValidateConfig
-from cifar.data.additions import printable
 from cifar.data.drift import Profile, image_drift, label_drift
 from cifar.data.manifest import IMAGE_SHAPE, NUM_CLASSES
 from cifar.data.plan import SnapshotPlan
 from cifar.data.snapshots import StoredPart, now
+from cifar.text import printable
 
 MAX_LISTED = 200  # Offending files listed per check in the one-line error's report; the JSON lists them all.
 

@@ -7,10 +7,11 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from cifar.config import MonitorConfig
-from cifar.data.additions import FileProblem, printable
+from cifar.data.additions import FileProblem
 from cifar.data.drift import FEATURE_RANGES, Profile
 from cifar.monitoring import MonitoringReference, MonitoringReport, monitor
 from cifar.predict.sources import KIND_NAMES
+from cifar.text import printable
 
 
 class PredictionResult(BaseModel):
