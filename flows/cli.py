@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cifar.config import PRESETS, ConfigOverrides, PipelineConfig, make_config
-from cifar.text import SHOWN_CHARACTERS, printable, shortened
+from cifar.text import SHOWN_CHARACTERS, brief, printable, shortened
 
 
 class ConfigError(ValueError):
@@ -48,16 +48,20 @@ def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
     return overrides
 
 
+MAX_LISTED_ERRORS = 5  # Fields named in the one line; a union's every branch is an error of its own.
+
+
 def describe_validation_error(error: ValidationError) -> str:
-    """One line per invalid field: `train.epochs: Input should be greater than or equal to 1 (got 0)`."""
-    lines = []
-    for item in error.errors():
+    """One line naming the invalid fields: `train.epochs: Input should be greater than or equal to 1 (got 0)`."""
+    items, lines = error.errors(), []
+    for item in items[:MAX_LISTED_ERRORS]:
         field = printable(shortened(".".join(str(part) for part in item["loc"]))) or "config"
         message = shortened(item["msg"].removeprefix("Value error, "), 2 * SHOWN_CHARACTERS)  # Some echo the value.
-        given = repr(item.get("input"))
-        shown = "" if item["type"] == "missing" or given in message else f" (got {shortened(given)})"
+        given = brief(item.get("input"))
+        shown = "" if item["type"] == "missing" or given in message else f" (got {printable(given)})"
         lines.append(f"{field}: {message}{shown}")
-    return "invalid configuration: " + "; ".join(lines)
+    more = f"; and {len(items) - MAX_LISTED_ERRORS} more" if len(items) > MAX_LISTED_ERRORS else ""
+    return "invalid configuration: " + "; ".join(lines) + more
 
 
 def _assignments(args: argparse.Namespace) -> dict[str, Any]:

@@ -712,3 +712,82 @@ def set_assignments(draw) -> list[str]:
         )
         assignments.append(f"{key}={value}" if draw(st.integers(0, 9)) else key)
     return assignments
+
+
+# Search-space files: JSON or YAML shaped like a SearchSpace, any JSON, YAML's own constructs, any text.
+
+DISTRIBUTION_TYPES = st.sampled_from(["categorical", "float", "int", "uniform", ""])
+
+
+@st.composite
+def distributions(draw) -> dict[str, Any]:
+    spec: dict[str, Any] = {"type": draw(DISTRIBUTION_TYPES)}
+    keys = draw(st.lists(st.sampled_from(["choices", "low", "high", "log", "step", "x"]), max_size=4, unique=True))
+    values = {
+        "choices": st.lists(JSON_LEAVES, max_size=4) | JSON_VALUES,
+        "low": st.floats() | st.integers(-10, 10), "high": st.floats() | st.integers(-10, 10) | st.integers(),
+        "log": st.booleans() | JSON_LEAVES, "step": st.integers(-2, 5) | JSON_LEAVES, "x": JSON_VALUES,
+    }  # fmt: skip
+    spec.update({key: draw(values[key]) for key in keys})
+    return spec
+
+
+@st.composite
+def space_documents(draw) -> Any:
+    """A SearchSpace's mapping, damaged anywhere, or not a mapping at all."""
+    from cifar.config import TrainConfig
+
+    fields = st.sampled_from(sorted(TrainConfig.model_fields)) | st.text(max_size=10)
+    document: dict[str, Any] = {
+        "name": draw(st.sampled_from(["lr-only", "x"]) | st.text(max_size=12)),
+        "params": draw(st.dictionaries(fields, distributions(), max_size=3)),
+    }
+    if draw(st.booleans()):
+        document["sampler"] = draw(st.sampled_from(["tpe", "random", "grid"]) | JSON_LEAVES)
+    if draw(st.booleans()):
+        document["pruner"] = draw(st.fixed_dictionaries({}, optional={
+            "kind": st.sampled_from(["median", "halving", "none"]) | JSON_LEAVES,
+            "startup_trials": st.integers(-1, 5) | JSON_LEAVES, "min_epochs": st.integers(-1, 5) | JSON_LEAVES,
+            "reduction_factor": st.integers(-1, 5) | JSON_LEAVES}))  # fmt: skip
+    if draw(st.booleans()):
+        document["first_trials"] = draw(st.lists(st.dictionaries(fields, JSON_LEAVES, max_size=2), max_size=2))
+    if draw(st.integers(0, 9)) == 0:
+        return draw(JSON_VALUES)
+    return document
+
+
+YAML_CONSTRUCTS = [
+    "!!python/object/apply:os.system ['touch {marker}']",  # PyYAML's unsafe loader would run it.
+    "name: [unclosed",
+    "a0: &a0 [x, x, x, x, x, x, x, x]\n"  # Nine levels of eight aliases: 8**9 (134 million) values from 500 bytes.
+    + "".join(f"a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * 8)}]\n" for level in range(1, 9))
+    + "name: lr\nparams: {learning_rate: {type: categorical, choices: *a8}}",
+    "name: *undefined",
+    "\t- tab",
+    "name: !!binary 'not base64!'",
+    "? [complex, key]\n: value",
+]
+
+
+@st.composite
+def space_files(draw, marker: Path) -> tuple[str, bytes]:
+    """(file name, bytes) of a search-space file."""
+    suffix = draw(st.sampled_from([".json", ".yaml", ".yml", ".txt", ""]))
+    kind = draw(st.sampled_from(["document"] * 6 + ["yaml_construct", "nested", "text", "bytes"]))
+    if kind == "document":
+        document = draw(space_documents())
+        if suffix in (".yaml", ".yml") and draw(st.booleans()):
+            import yaml
+
+            text = yaml.safe_dump(document)
+        else:
+            text = json.dumps(document)  # NaN and Infinity too, as Python writes them.
+    elif kind == "yaml_construct":
+        text = draw(st.sampled_from(YAML_CONSTRUCTS)).replace("{marker}", str(marker))
+    elif kind == "nested":
+        text = deeply_nested(draw(NESTING_DEPTHS), *draw(st.sampled_from([("[", "]"), ("{a: ", "}")])))
+    elif kind == "text":
+        text = draw(st.text(max_size=80))
+    else:
+        return f"space{suffix}", draw(st.binary(max_size=80))
+    return f"space{suffix}", text.encode("utf-8", "surrogatepass")
