@@ -30,7 +30,9 @@ def model(tmp_path_factory):
     images = np.zeros((1, 32, 32, 3), np.uint8)
     signature = raw_input_signature(infer_signature(images, {"sum": np.array([1])}))
     path = tmp_path_factory.mktemp("fuzz-serving") / "model"
-    mlflow.pyfunc.save_model(path, python_model=CheckedSum(), signature=signature, pip_requirements=[])
+    mlflow.pyfunc.save_model(
+        path, python_model=CheckedSum(), signature=signature, input_example=images, pip_requirements=[]
+    )
     return scoring_server.load_model_with_mlflow_config(str(path))
 
 
