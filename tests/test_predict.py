@@ -5,12 +5,16 @@ not grow with the input, and drift (with its Prefect event) exactly when the ima
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
+import sys
 import threading
 import time
 from pathlib import Path
+
+from flows.runtime import SUPERVISED_ENV
 
 import mlflow
 import numpy as np
@@ -18,6 +22,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 from fuzz_strategies import frame
+from PIL import Image
 from test_evaluate import prepare_fixture_data, write_checkpoints
 
 from cifar.config import MonitorConfig, make_config
@@ -27,6 +32,7 @@ from cifar.data.manifest import load_manifest
 from cifar.data.synthetic import CLASS_NAMES, write_batch_file, write_image_folder
 from cifar.evaluate import evaluate, load_split
 from cifar.export import export_model, serving_outputs
+from cifar.io import file_digests
 from cifar.predict import (
     EXPERIMENT,
     PredictionResult,
@@ -38,7 +44,9 @@ from cifar.predict import (
     read_usable,
     resolve_model,
 )
+from cifar.quiet import FRAMEWORK_LOGGERS
 from cifar.registry import register_and_promote
+from flows.ingest import main as ingest_main
 from flows.predict import DRIFT_DETECTED
 from flows.predict import main as predict_main
 from flows.predict import predict as predict_flow
@@ -408,3 +416,48 @@ def test_brightened_images_raise_the_drift_flag_and_its_event_the_originals_do_n
     assert event["payload"]["workdir"] == workdir and event["payload"]["version"] == 1
     assert event["payload"]["values"]["monitor_image_drift"] > MonitorConfig().max_image_drift
     assert drift_events(prefect_server, input_digest(open_source(original)), timeout=2) == []
+
+
+@pytest.mark.integration
+def test_the_data_doors_end_with_one_error_line_when_nothing_is_usable(
+    registered, prefect_server, python_archive, tmp_path, monkeypatch, capfd
+):
+    """Issue 39's two failures end to end, as the command line's child runs them (in process, on the module's
+    Prefect server): `flows/predict.py --input` a folder holding only a text file, `flows/ingest.py --add` a
+    folder whose only class folder is misspelt. Each ends with exit 1 and one `error:` line naming the files."""
+    monkeypatch.setenv(SUPERVISED_ENV, "1")  # The flow runs here, as in the command line's supervised child.
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [logging.StreamHandler(sys.stderr)])  # What log_to_file changes, restored.
+    for name in FRAMEWORK_LOGGERS:
+        for attribute in ("handlers", "level", "propagate"):
+            monkeypatch.setattr(logging.getLogger(name), attribute, getattr(logging.getLogger(name), attribute))
+    monkeypatch.setenv("MLFLOW_CONFIGURE_LOGGING", os.environ.get("MLFLOW_CONFIGURE_LOGGING", "true"))
+    text_only = tmp_path / "incoming"
+    text_only.mkdir()
+    (text_only / "notes.txt").write_text("not an image")
+    misspelt = tmp_path / "new-labels"
+    (misspelt / "dragon").mkdir(parents=True)
+    Image.fromarray(registered["images"][0]).save(misspelt / "dragon" / "a.png")
+    before = recorded(registered)
+    capfd.readouterr()
+
+    predicted = predict_main(["--input", str(text_only), "--workdir", str(registered["workdir"])])
+    predict_errors = capfd.readouterr().err
+    ingested = ingest_main([
+        "--add", str(misspelt), "--workdir", str(tmp_path / "workdir"), "--source", python_archive,
+        "--sha256", file_digests(python_archive)["sha256"], "--set", "data.expect_official_counts=false",
+    ])  # fmt: skip
+    ingest_errors = capfd.readouterr().err
+
+    for code, stderr, line in (
+        (predicted, predict_errors, f"error: no usable image in {text_only}: 1 file left out: notes.txt (undecodable: "
+                                    "not an image PIL can read) (full log: "),
+        (ingested, ingest_errors, f"error: no usable image in {misspelt}: 1 file left out: dragon/a.png "
+                                  "(unknown_class: folder 'dragon' is not a class name (airplane, "),
+    ):  # fmt: skip
+        errors = [text for text in stderr.splitlines() if text.startswith("error:")]
+        assert code == 1 and len(errors) == 1 and errors[0].startswith(line), stderr[-3000:]
+        assert "Traceback" not in stderr
+    assert recorded(registered) == before  # No predictions, no MLflow run.
+    assert not (tmp_path / "workdir" / "data" / "additions").exists()
+    assert not (tmp_path / "workdir" / "data" / "snapshots").exists()
