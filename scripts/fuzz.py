@@ -3,10 +3,10 @@
     python -m scripts.fuzz [--minutes 10] [--doors archives,configs]
 
 Hypothesis has no time budget, so each door runs in rounds: pytest on its file under the `fuzz` profile
-(harness/fuzz.py) with a new seed and as many examples per property as the door's speed on its last round
-fits into most of its time left (at most four times the last round's: later examples grow). Failing
-examples are kept in .hypothesis/examples/ and tried first by every later run. Prints per door the rounds
-and the test cases run; exits 1 when a door found a failure.
+(harness/fuzz.py) with a new seed and as many examples per property as fit into most of the door's time left
+at the speed of its slowest round so far (and at most four times the last round's: later examples grow).
+Failing examples are kept in .hypothesis/examples/ and tried first by every later run. Prints per door the
+rounds and the test cases run; exits 1 when a door found a failure.
 """
 
 from __future__ import annotations
@@ -90,13 +90,14 @@ def run_round(door: Door, examples: int, seed: int) -> tuple[float, float]:
 def fuzz(door: Door, seconds: float, seeds: random.Random) -> None:
     """Rounds of `door` until its `seconds` are spent (or it fails): each as large as its measured rate fits."""
     deadline = time.monotonic() + seconds
-    examples = FIRST_ROUND_EXAMPLES
+    examples, per_example = FIRST_ROUND_EXAMPLES, 0.0
     while not door.failures:
         wall, running = run_round(door, examples, seeds.randrange(2**32))
         weighted = f"{examples:,} examples x each property's weight"
         print(f"    {door.name} round {door.rounds}: {weighted}, {wall:.0f} s", flush=True)
         start_up = max(wall - running, 0.0)
-        per_example = max(running, 0.01) / examples  # Seconds per example of every property together.
+        # Seconds per example of every property together: the slowest round's, as seeds make rounds unlike.
+        per_example = max(per_example, max(running, 0.01) / examples)
         left = min(deadline - time.monotonic(), MAX_ROUND_SECONDS) - start_up
         if left < 5 * per_example:
             return

@@ -269,6 +269,13 @@ def test_a_pickle_that_states_more_than_it_holds_is_refused_before_anything_is_a
         load_pickle(payload, "member")
 
 
+@pytest.mark.filterwarnings("error")
+def test_a_pickle_whose_string_makes_python_warn_is_refused_without_a_warning():
+    # Found by make fuzz: a protocol-0 string with an invalid escape made the decoder warn (on a terminal, a line).
+    with pytest.raises(InvalidDatasetError, match=r"member: not a readable CIFAR pickle: invalid escape sequence"):
+        load_pickle(b"S'\\\xc3'\n.", "member")
+
+
 def test_labels_of_nested_lists_are_refused_before_numpy_expands_them():
     # [[shared] * 1000] * 1000 pickles in kilobytes (memo references) and expands to a million labels and more.
     shared = [0] * 1000

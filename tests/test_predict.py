@@ -9,6 +9,7 @@ import logging
 import os
 import pickle
 import re
+import struct
 import sys
 import threading
 import time
@@ -266,6 +267,11 @@ def test_a_npy_header_stating_more_images_than_the_file_holds_is_refused_before_
             handle.write(bytes(64))
         with pytest.raises(ValueError, match=re.escape(stated)):
             open_source(path)
+    # Found by make fuzz: a header NumPy tokenizes as an old-style one leaked tokenize.TokenError.
+    header = b"{'descr': '|u1', 'fortran_order': False, 'shape': (0, 32, 32, 3), "
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", 118) + header.ljust(117) + b"\n")
+    with pytest.raises(ValueError, match="is not a readable .npy file: .*EOF in multi-line statement"):
+        open_source(path)
 
 
 def test_the_same_input_is_never_scored_twice(registered, tmp_path):

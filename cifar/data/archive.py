@@ -15,6 +15,7 @@ import pickle
 import pickletools
 import shutil
 import tarfile
+import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -389,12 +390,14 @@ def check_pickle_lengths(data: bytes, name: str) -> None:
     can hold is refused here, because the unpickler allocates what a pickle states before it reads the bytes (a
     9-byte BYTEARRAY8 or LONG_BINPUT would take gigabytes)."""
     try:
-        for count, (opcode, argument, position) in enumerate(pickletools.genops(data)):
-            if opcode.name == "FRAME" and argument > len(data) - position:
-                raise ValueError(f"a frame of {argument:,} bytes at byte {position} runs past the end")
-            if opcode.name in MEMO_OPCODES and argument > count:  # Pickles number their memo entries 0, 1, 2, ...
-                raise ValueError(f"memo index {argument:,} at byte {position}")
-    except ValueError as error:  # pickletools' own, for a length past the end or an unknown opcode too.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # A string with an invalid escape warns: malformed, like the rest.
+            for count, (opcode, argument, position) in enumerate(pickletools.genops(data)):
+                if opcode.name == "FRAME" and argument > len(data) - position:
+                    raise ValueError(f"a frame of {argument:,} bytes at byte {position} runs past the end")
+                if opcode.name in MEMO_OPCODES and argument > count:  # Pickles number their memo entries 0, 1, ...
+                    raise ValueError(f"memo index {argument:,} at byte {position}")
+    except (ValueError, Warning) as error:  # pickletools' own, for a length past the end or an unknown opcode too.
         raise InvalidDatasetError(f"{name}: not a readable CIFAR pickle: {error}") from None
 
 
@@ -402,11 +405,22 @@ def load_pickle(data: bytes, name: str) -> Any:
     """Unpickles `data` (from member `name`) with RestrictedUnpickler; bytes keys and strings stay bytes."""
     check_pickle_lengths(data, name)
     try:
-        # encoding="bytes" reads the official Python 2 pickles: their str values arrive as bytes.
-        return RestrictedUnpickler(io.BytesIO(data), encoding="bytes").load()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            # encoding="bytes" reads the official Python 2 pickles: their str values arrive as bytes.
+            return RestrictedUnpickler(io.BytesIO(data), encoding="bytes").load()
     except UnsafePickleError as error:
         raise UnsafePickleError(f"{name}: {error}") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as error:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        Warning,
+    ) as error:
         raise InvalidDatasetError(f"{name}: not a readable CIFAR pickle: {type(error).__name__}: {error}") from error
 
 

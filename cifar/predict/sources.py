@@ -11,6 +11,7 @@ import hashlib
 import os
 import queue
 import threading
+import tokenize
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,7 +154,8 @@ def npy_layout(path: str | Path) -> tuple[int, int, bool]:
             shape, fortran_order, dtype = readers[version](handle)
             offset = handle.tell()
             size = os.fstat(handle.fileno()).st_size
-    except (ValueError, OSError, EOFError, SyntaxError) as error:
+    except (ValueError, OSError, EOFError, SyntaxError, RecursionError, tokenize.TokenError) as error:
+        # NumPy's reader evaluates the header as a Python literal, tokenizing it to read old-style headers.
         raise ValueError(f"{path} is not a readable .npy file: {error}") from None
     if dtype != np.uint8 or len(shape) != 4 or tuple(shape[1:]) != IMAGE_SHAPE:
         raise ValueError(f"{path} holds {dtype} {tuple(shape)}; {expected}")
