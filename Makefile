@@ -19,7 +19,7 @@ MODEL ?= models:/cifar10@champion
 # Framework start-up lines and offline telemetry stay out of the logs; CIFAR_VERBOSE=1 lets them through.
 QUIET := $(if $(filter 1,$(CIFAR_VERBOSE)),,TF_CPP_MIN_LOG_LEVEL=2 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false)
 
-.PHONY: setup run test lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check stack-check
+.PHONY: setup run test fuzz lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check stack-check
 
 setup: $(VENV)/.installed
 
@@ -48,6 +48,12 @@ format: setup
 
 test: setup system-deps lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# The fuzz suite (tests/test_fuzz_*.py) beyond make test's few seeded examples: each door for its share of
+# FUZZ_MINUTES, new seeds every round; failing examples are kept in .hypothesis/examples/ (scripts/fuzz.py).
+FUZZ_MINUTES ?= 10
+fuzz: setup
+	$(PY) -m scripts.fuzz --minutes $(FUZZ_MINUTES)
 
 bench: setup
 	$(PY) bench/run_all.py

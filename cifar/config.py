@@ -88,7 +88,8 @@ TrackingLocation = Annotated[str, AfterValidator(lambda value: check_location(va
 class Section(BaseModel):
     """Base for every config section: unknown fields are errors, values are re-validated on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Infinity and NaN are refused everywhere: no setting means them (whitening_bias_epochs=inf crashed training).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DataConfig(Section):

@@ -85,6 +85,8 @@ def validate_images(model_input: Any) -> np.ndarray:
     if kind not in "iu":  # bool, strings, objects (None, numbers beyond 64 bits, mixed values), ...
         what = {"b": "booleans", "U": "strings", "S": "bytes"}.get(kind, f"non-integer values (dtype {images.dtype})")
         raise InputContractError(f"got {what}")
+    if isinstance(model_input, (list, tuple)) and _holds_booleans(model_input):
+        raise InputContractError("got booleans among the pixel values (numpy would read true as 1)")
     if images.dtype == np.uint8:
         return images
     outside = np.argwhere((images < 0) | (images > 255))
@@ -92,6 +94,18 @@ def validate_images(model_input: Any) -> np.ndarray:
         index = tuple(int(i) for i in outside[0])
         raise InputContractError(f"got pixel value {images[index]} at {list(index)}; values must be 0..255")
     return images.astype(np.uint8)
+
+
+def _holds_booleans(values: list | tuple) -> bool:
+    """Whether nested lists hold a boolean anywhere: JSON true and false, which numpy reads as 1 and 0."""
+    pending = [values]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, bool):
+            return True
+        if isinstance(item, (list, tuple)):
+            pending.extend(item)
+    return False
 
 
 def _first_float(images: np.ndarray) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cifar.config import PRESETS, ConfigOverrides, PipelineConfig, make_config
+from cifar.text import SHOWN_CHARACTERS, brief, printable, shortened
 
 
 class ConfigError(ValueError):
@@ -24,7 +25,7 @@ def parse_value(text: str) -> Any:
     """A --set value: JSON when it parses (numbers, true/false, null, lists), else the plain string."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # Nested too deep to parse is not JSON either.
         return text
 
 
@@ -35,27 +36,32 @@ def parse_overrides(assignments: Sequence[str]) -> dict[str, Any]:
         key, separator, text = assignment.partition("=")
         path = key.strip().split(".")
         if not separator or not all(path):
-            raise ConfigError(f"--set expects section.field=value, got {assignment!r}")
+            raise ConfigError(f"--set expects section.field=value, got {shortened(repr(assignment))}")
         target = overrides
         for part in path[:-1]:
             target = target.setdefault(part, {})
             if not isinstance(target, dict):
-                raise ConfigError(f"--set {assignment!r} conflicts with an earlier --set of {part!r}")
+                raise ConfigError(
+                    f"--set {shortened(repr(assignment))} conflicts with an earlier --set of {shortened(repr(part))}"
+                )
         target[path[-1]] = parse_value(text)
     return overrides
 
 
+MAX_LISTED_ERRORS = 5  # Fields named in the one line; a union's every branch is an error of its own.
+
+
 def describe_validation_error(error: ValidationError) -> str:
-    """One line per invalid field: `train.epochs: Input should be greater than or equal to 1 (got 0)`."""
-    lines = []
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "config"
-        message = item["msg"].removeprefix("Value error, ")
-        shown = (
-            "" if item["type"] == "missing" or repr(item.get("input")) in message else f" (got {item.get('input')!r})"
-        )
+    """One line naming the invalid fields: `train.epochs: Input should be greater than or equal to 1 (got 0)`."""
+    items, lines = error.errors(), []
+    for item in items[:MAX_LISTED_ERRORS]:
+        field = printable(shortened(".".join(str(part) for part in item["loc"]))) or "config"
+        message = shortened(item["msg"].removeprefix("Value error, "), 2 * SHOWN_CHARACTERS)  # Some echo the value.
+        given = brief(item.get("input"))
+        shown = "" if item["type"] == "missing" or given in message else f" (got {printable(given)})"
         lines.append(f"{field}: {message}{shown}")
-    return "invalid configuration: " + "; ".join(lines)
+    more = f"; and {len(items) - MAX_LISTED_ERRORS} more" if len(items) > MAX_LISTED_ERRORS else ""
+    return "invalid configuration: " + "; ".join(lines) + more
 
 
 def _assignments(args: argparse.Namespace) -> dict[str, Any]:

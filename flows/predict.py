@@ -31,6 +31,7 @@ from cifar.data.additions import RESIZE_METHODS
 from cifar.predict import DEFAULT_MODEL, KIND_NAMES, PredictionResult, open_source, parse_model_uri
 from cifar.predict import predict as predict_images
 from cifar.summary import MlflowRunLink
+from cifar.text import printable
 from cifar.tracking import resolve_tracking_uri
 from flows.cli import add_set_argument, flow_parser, overrides_from_args
 from tasks.artifacts import ProgressReporter
@@ -114,7 +115,10 @@ def report_markdown(result: PredictionResult) -> str:
         lines += [f"| {name} | {value} | {threshold} |" for name, value, threshold in measures]
     if result.problems:
         lines += ["", "| skipped file | problem | detail |", "|---|---|---|"]
-        lines += [f"| `{problem.file}` | {problem.problem} | {problem.detail} |" for problem in result.problems[:50]]
+        lines += [
+            f"| `{printable(problem.file)}` | {problem.problem} | {printable(problem.detail)} |"
+            for problem in result.problems[:50]
+        ]
         if len(result.problems) > 50:
             lines.append(f"| ... {len(result.problems) - 50} more in summary.json | | |")
     return "\n".join(lines) + "\n"

@@ -7,6 +7,7 @@ harness.servers    a Prefect server, a worker, an MLflow tracking or model serve
 harness.postgres   a throwaway PostgreSQL cluster (scripts/postgres.sh)
 harness.compose    docker/compose.yaml's variables, interpolated as compose does
 harness.digests    a file's SHA-256, or the one recorded beside an archive
+harness.fuzz       the fuzz suite's Hypothesis profiles (ci in make test, fuzz in make fuzz)
 """
 
 from pathlib import Path

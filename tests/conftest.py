@@ -18,6 +18,9 @@ if "CIFAR_CACHE_DIR" not in os.environ:
 import pytest
 
 from cifar.data.synthetic import build_archive
+from harness.fuzz import load_profile
+
+load_profile()  # Hypothesis' profile for the fuzz suite (tests/test_fuzz_*.py): `ci` unless make fuzz chose `fuzz`.
 
 # Small sizes keep the suite fast: 5 batches x 100 training images, 200 test images.
 TRAIN_PER_BATCH = 100

@@ -20,6 +20,7 @@ from cifar.data.archive import (
     UnsafeArchiveError,
     UnsafePickleError,
     load_pickle,
+    parse_python_batch,
     read_archive,
     read_directory,
     safe_extract,
@@ -236,6 +237,67 @@ def test_the_unpickler_reads_numpy_1_and_python_2_style_pickles():
         loaded = RestrictedUnpickler(io.BytesIO(payload), encoding="bytes").load()
         np.testing.assert_array_equal(loaded[b"data"], rows)
         assert loaded[b"labels"] == [1, 2]
+
+
+# Found by the fuzz suite (tests/test_fuzz_archives.py, issue 39).
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_a_batch_pickled_with_any_protocol_is_read_exactly(protocol):
+    rows = np.random.default_rng(protocol).integers(0, 256, (3, 3072), dtype=np.uint8)
+    for labels in ([1, 2, 3], np.array([1, 2, 3])):  # Protocol 5 rebuilds arrays with numpy's _frombuffer.
+        data, read_labels = parse_python_batch(pickle.dumps({b"data": rows, b"labels": labels}, protocol), "batch")
+        np.testing.assert_array_equal(data, rows)
+        assert read_labels.tolist() == [1, 2, 3]
+    empty = pickle.dumps({"data": np.zeros((0, 3072), np.uint8), "labels": []}, protocol)  # bytes() in protocol 2.
+    assert parse_python_batch(empty, "batch")[0].shape == (0, 3072)
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"\x80\x05\x96" + (2**40).to_bytes(8, "little") + b".", "bytearray8, but only 1 remain"),  # BYTEARRAY8
+        (b"\x80\x02]r" + (2**32 - 1).to_bytes(4, "little") + b".", "memo index 4,294,967,295"),  # LONG_BINPUT
+        (b"\x80\x04\x95" + (2**62).to_bytes(8, "little") + b"N.", "runs past the end"),  # FRAME
+        (b"\x80\x02cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nJ\x00\x00\x00\x40\x85C\x01b\x87R.",
+         "only an empty array"),  # _reconstruct(ndarray, (2**30,), b'b'): a GiB before any state.
+    ],
+    ids=["bytearray8 of a TiB", "memo index 2**32", "frame of 2**62 bytes", "reconstruct a GiB"],
+)  # fmt: skip
+def test_a_pickle_that_states_more_than_it_holds_is_refused_before_anything_is_allocated(payload, message):
+    with pytest.raises((InvalidDatasetError, UnsafePickleError), match=message):
+        load_pickle(payload, "member")
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_pickle_whose_string_makes_python_warn_is_refused_without_a_warning():
+    # Found by make fuzz: a protocol-0 string with an invalid escape made the decoder warn (on a terminal, a line).
+    with pytest.raises(InvalidDatasetError, match=r"member: not a readable CIFAR pickle: invalid escape sequence"):
+        load_pickle(b"S'\\\xc3'\n.", "member")
+
+
+def test_labels_of_nested_lists_are_refused_before_numpy_expands_them():
+    # [[shared] * 1000] * 1000 pickles in kilobytes (memo references) and expands to a million labels and more.
+    shared = [0] * 1000
+    payload = pickle.dumps({b"data": np.zeros((1, 3072), np.uint8), b"labels": [[shared] * 1000] * 1000}, 2)
+    with pytest.raises(InvalidDatasetError, match="labels are a list, expected a flat list of integers"):
+        parse_python_batch(payload, "data_batch_1")
+
+
+@pytest.mark.parametrize(
+    "members",
+    [[("./", None), (".", b"x")], [(f"{PY_DIR}", b"x"), (f"{PY_DIR}/", None)], [("a", b"x"), ("a/b", b"y")]],
+    ids=["a file named '.'", "a file where a directory is", "a directory where a file is"],
+)
+def test_members_that_clash_are_refused_and_nothing_is_extracted(tmp_path, members):
+    entries = [
+        _file_member(name, data) if data is not None else _special_member(name, tarfile.DIRTYPE)
+        for name, data in members
+    ]
+    archive_path = _write_archive(tmp_path / "clash.tar.gz", entries)
+    with pytest.raises(UnsafeArchiveError, match="archive's top directory|clashes with another member"):
+        safe_extract(archive_path, tmp_path / "out")
+    assert sorted(os.listdir(tmp_path)) == ["clash.tar.gz"]
 
 
 # Malformed contents.

@@ -108,6 +108,22 @@ def test_malformed_set_is_rejected(assignment):
         config_of("--set", assignment)
 
 
+@pytest.mark.parametrize(
+    ("assignment", "message"),
+    [
+        ("train.epochs=" + "[" * 100_000, "train.epochs: Input should be a valid integer, unable to parse"),
+        ("train.epo\nchs=3", "train.epo\\nchs: Extra inputs are not permitted"),
+        ("=" + "x" * 100_000, "section.field=value, got '=xxx"),
+    ],
+    ids=["nested past the recursion limit", "a newline in the field", "100 KB of value"],
+)
+def test_any_set_value_fails_with_one_short_line(assignment, message):
+    # Found by the fuzz suite (issue 39): a RecursionError, a line broken in two, the 100 KB echoed back.
+    with pytest.raises(ConfigError) as raised:
+        config_of("--set", assignment)
+    assert message in str(raised.value) and "\n" not in str(raised.value) and len(str(raised.value)) < 400
+
+
 def test_bad_config_exits_2_with_the_field_before_any_work(tmp_path):
     workdir = tmp_path / "workdir"
     result = subprocess.run(

@@ -33,6 +33,9 @@ def test_overrides_merge_into_preset():
         ({"data": {"sha256": "xyz"}}, "data.sha256"),
         ({"data": {"validation_size": 50_000}}, "data.validation_size"),
         ({"train": {"unknown_field": 1}}, "train.unknown_field"),
+        # Found by the fuzz suite (issue 39): accepted, then training crashed converting infinity to steps.
+        ({"train": {"whitening_bias_epochs": float("inf")}}, "train.whitening_bias_epochs"),
+        ({"monitor": {"max_image_drift": float("nan")}}, "monitor.max_image_drift"),
     ],
 )
 def test_invalid_values_name_the_field(overrides, field):

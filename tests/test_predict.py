@@ -5,23 +5,35 @@ not grow with the input, and drift (with its Prefect event) exactly when the ima
 from __future__ import annotations
 
 import json
+import logging
 import os
+import pickle
+import re
+import struct
+import sys
 import threading
 import time
 from pathlib import Path
+
+from flows.runtime import SUPERVISED_ENV
 
 import mlflow
 import numpy as np
 import psutil
 import pyarrow.parquet as pq
 import pytest
+from fuzz_strategies import frame
+from PIL import Image
 from test_evaluate import prepare_fixture_data, write_checkpoints
 
 from cifar.config import MonitorConfig, make_config
+from cifar.data.additions import NoUsableImagesError
+from cifar.data.convert import encode_examples
 from cifar.data.manifest import load_manifest
 from cifar.data.synthetic import CLASS_NAMES, write_batch_file, write_image_folder
 from cifar.evaluate import evaluate, load_split
 from cifar.export import export_model, serving_outputs
+from cifar.io import file_digests
 from cifar.predict import (
     EXPERIMENT,
     PredictionResult,
@@ -30,9 +42,12 @@ from cifar.predict import (
     judge,
     open_source,
     predict,
+    read_usable,
     resolve_model,
 )
+from cifar.quiet import FRAMEWORK_LOGGERS
 from cifar.registry import register_and_promote
+from flows.ingest import main as ingest_main
 from flows.predict import DRIFT_DETECTED
 from flows.predict import main as predict_main
 from flows.predict import predict as predict_flow
@@ -161,6 +176,102 @@ def test_unreadable_files_in_a_folder_are_listed_and_skipped(registered, tmp_pat
     resized = score(registered, open_source(folder, resize="bilinear"))
     assert resized.images == 21 and resized.resize == "bilinear" and resized.digest != result.digest
     assert "large.png" in pq.read_table(resized.predictions_path).column("image").to_pylist()
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("folder", "1 file left out: notes.txt (undecodable: not an image PIL can read)"),
+        ("npy", "it holds no images (.npy array)"),
+        ("batch_file", "it holds no images (CIFAR batch file)"),
+        ("tfrecord", "it holds no images (TFRecords)"),
+    ],
+)
+def test_an_input_with_no_readable_image_is_refused_naming_what_could_not_be_read(registered, tmp_path, kind, message):
+    # Issue 39: a folder holding only a text file ended in the drift histogram's `Size mismatch between "values" ...`.
+    if kind == "folder":
+        path = tmp_path / "photos"
+        path.mkdir()
+        (path / "notes.txt").write_text("not an image")
+    elif kind == "tfrecord":
+        path = tmp_path / "empty.tfrecord"
+        path.write_bytes(b"")
+    else:
+        path, _, _ = write_source(kind, np.zeros((0, 32, 32, 3), np.uint8), tmp_path, registered["data_dir"])
+    before = recorded(registered)
+
+    with pytest.raises(NoUsableImagesError) as raised:
+        score(registered, path)
+
+    assert str(raised.value) == f"no usable image in {Path(path).resolve()}: {message}"
+    assert recorded(registered) == before  # No predictions, no MLflow run.
+
+
+def recorded(registered: dict) -> tuple[list[str], list[str]]:
+    """The workdir's prediction outputs (not their locks) and the ids of its prediction runs in MLflow."""
+    root = registered["workdir"] / "predictions"
+    outputs = sorted(path.name for path in root.iterdir() if not path.name.endswith(".lock")) if root.exists() else []
+    client = mlflow.MlflowClient(tracking_uri=registered["tracking_uri"])
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    runs = [run.info.run_id for run in client.search_runs([experiment.experiment_id])] if experiment else []
+    return outputs, sorted(runs)
+
+
+# Found by the fuzz suite (tests/test_fuzz_prediction_inputs.py, issue 39); the readers alone, no model.
+
+
+@pytest.mark.parametrize(
+    ("payload", "detail"),
+    [
+        (frame(b"x" * 100, length=2**40), "record 3 (byte 9,378) states 1,099,511,627,776 bytes, over the 65,536"),
+        (frame(b"x" * 100, length=200), "record 3 (byte 9,378) states 200 bytes, more than the file holds"),
+        (frame(b"\x80abc"), "a record is not an Example of a 32x32 image"),
+    ],
+    ids=["a record of a TiB", "a record past the end", "a record TensorFlow quotes in bytes"],
+)
+def test_a_shard_whose_records_cannot_be_read_safely_is_skipped_whole(tmp_path, payload, detail):
+    # A 1 TiB record crashed the process (TensorFlow allocates what a header states); non-UTF-8 bytes in
+    # TensorFlow's own message leaked a UnicodeDecodeError.
+    images = np.random.default_rng(5).integers(0, 256, (3, 32, 32, 3), np.uint8)
+    good = b"".join(frame(bytes(row)) for row in encode_examples(images, np.zeros(3, np.int64)))
+    (tmp_path / "a.tfrecord").write_bytes(good)
+    (tmp_path / "b.tfrecord").write_bytes(good + payload)
+
+    chunks = list(read_usable(open_source(tmp_path)))
+
+    [problem] = [problem for chunk, _ in chunks for problem in chunk.problems]
+    assert (problem.file, problem.problem) == ("b.tfrecord", "undecodable") and detail in problem.detail
+    np.testing.assert_array_equal(np.concatenate([chunk.images for chunk, _ in chunks]), images)
+
+
+def test_a_batch_file_of_any_pickle_protocol_is_a_source(tmp_path):
+    # Protocols 0 and 1 (no PROTO opcode first) were refused as "not a source of images".
+    images = np.random.default_rng(6).integers(0, 256, (2, 32, 32, 3), np.uint8)
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        rows = images.transpose(0, 3, 1, 2).reshape(2, 3072)
+        (tmp_path / "test_batch").write_bytes(pickle.dumps({"data": rows, "labels": [0, 1]}, protocol))
+        [(chunk, _)] = list(read_usable(open_source(tmp_path / "test_batch")))
+        np.testing.assert_array_equal(chunk.images, images)
+
+
+@pytest.mark.filterwarnings("error")
+def test_a_npy_header_stating_more_images_than_the_file_holds_is_refused_before_any_work(tmp_path):
+    # A header stating (2, 2**31, 2**31) made NumPy warn of an overflow on the terminal while mapping the file.
+    for shape, stated in (
+        ((2, 2**31, 2**31), "holds uint8 (2, 2147483648, 2147483648)"),
+        ((10**12, 32, 32, 3), "states 1,000,000,000,000 images in its header but holds 64"),
+    ):
+        path = tmp_path / "images.npy"
+        with open(path, "wb") as handle:
+            np.lib.format.write_array_header_1_0(handle, {"descr": "|u1", "fortran_order": False, "shape": shape})
+            handle.write(bytes(64))
+        with pytest.raises(ValueError, match=re.escape(stated)):
+            open_source(path)
+    # Found by make fuzz: a header NumPy tokenizes as an old-style one leaked tokenize.TokenError.
+    header = b"{'descr': '|u1', 'fortran_order': False, 'shape': (0, 32, 32, 3), "
+    path.write_bytes(b"\x93NUMPY\x01\x00" + struct.pack("<H", 118) + header.ljust(117) + b"\n")
+    with pytest.raises(ValueError, match="is not a readable .npy file: .*EOF in multi-line statement"):
+        open_source(path)
 
 
 def test_the_same_input_is_never_scored_twice(registered, tmp_path):
@@ -311,3 +422,48 @@ def test_brightened_images_raise_the_drift_flag_and_its_event_the_originals_do_n
     assert event["payload"]["workdir"] == workdir and event["payload"]["version"] == 1
     assert event["payload"]["values"]["monitor_image_drift"] > MonitorConfig().max_image_drift
     assert drift_events(prefect_server, input_digest(open_source(original)), timeout=2) == []
+
+
+@pytest.mark.integration
+def test_the_data_doors_end_with_one_error_line_when_nothing_is_usable(
+    registered, prefect_server, python_archive, tmp_path, monkeypatch, capfd
+):
+    """Issue 39's two failures end to end, as the command line's child runs them (in process, on the module's
+    Prefect server): `flows/predict.py --input` a folder holding only a text file, `flows/ingest.py --add` a
+    folder whose only class folder is misspelt. Each ends with exit 1 and one `error:` line naming the files."""
+    monkeypatch.setenv(SUPERVISED_ENV, "1")  # The flow runs here, as in the command line's supervised child.
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [logging.StreamHandler(sys.stderr)])  # What log_to_file changes, restored.
+    for name in FRAMEWORK_LOGGERS:
+        for attribute in ("handlers", "level", "propagate"):
+            monkeypatch.setattr(logging.getLogger(name), attribute, getattr(logging.getLogger(name), attribute))
+    monkeypatch.setenv("MLFLOW_CONFIGURE_LOGGING", os.environ.get("MLFLOW_CONFIGURE_LOGGING", "true"))
+    text_only = tmp_path / "incoming"
+    text_only.mkdir()
+    (text_only / "notes.txt").write_text("not an image")
+    misspelt = tmp_path / "new-labels"
+    (misspelt / "dragon").mkdir(parents=True)
+    Image.fromarray(registered["images"][0]).save(misspelt / "dragon" / "a.png")
+    before = recorded(registered)
+    capfd.readouterr()
+
+    predicted = predict_main(["--input", str(text_only), "--workdir", str(registered["workdir"])])
+    predict_errors = capfd.readouterr().err
+    ingested = ingest_main([
+        "--add", str(misspelt), "--workdir", str(tmp_path / "workdir"), "--source", python_archive,
+        "--sha256", file_digests(python_archive)["sha256"], "--set", "data.expect_official_counts=false",
+    ])  # fmt: skip
+    ingest_errors = capfd.readouterr().err
+
+    for code, stderr, line in (
+        (predicted, predict_errors, f"error: no usable image in {text_only}: 1 file left out: notes.txt (undecodable: "
+                                    "not an image PIL can read) (full log: "),
+        (ingested, ingest_errors, f"error: no usable image in {misspelt}: 1 file left out: dragon/a.png "
+                                  "(unknown_class: folder 'dragon' is not a class name (airplane, "),
+    ):  # fmt: skip
+        errors = [text for text in stderr.splitlines() if text.startswith("error:")]
+        assert code == 1 and len(errors) == 1 and errors[0].startswith(line), stderr[-3000:]
+        assert "Traceback" not in stderr
+    assert recorded(registered) == before  # No predictions, no MLflow run.
+    assert not (tmp_path / "workdir" / "data" / "additions").exists()
+    assert not (tmp_path / "workdir" / "data" / "snapshots").exists()

@@ -119,6 +119,33 @@ def test_a_space_loads_from_a_preset_a_json_or_a_yaml_file(tmp_path):
         load_space(tmp_path / "missing.json")
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("space.json", b"\x80", "is not a readable JSON file: 'utf-8' codec can't decode byte 0x80"),
+        ("space.json", b"{", "is not a readable JSON file: Expecting property name enclosed in double quotes"),
+        ("space.json", b"[" * 100_000, "is not a readable JSON file: maximum recursion depth exceeded"),
+        ("space.yaml", b"name: [unclosed", "is not a readable YAML file: while parsing a flow sequence"),
+        ("space.yaml", b"!!python/object/apply:os.system ['touch MARKER']", "could not determine a constructor"),
+        ("space.yaml", b"a0: &a0 [x, x, x, x, x, x, x, x]\n" + b"".join(
+            f"a{level}: &a{level} [{', '.join([f'*a{level - 1}'] * 8)}]\n".encode() for level in range(1, 9)
+        ) + b"name: x", "stands for more than 10,000 values (YAML aliases)"),
+    ],
+    ids=["not UTF-8", "not JSON", "JSON nested past the recursion limit", "not YAML", "a YAML tag that runs code",
+         "YAML aliases standing for 134 million values"],
+)  # fmt: skip
+def test_a_space_file_that_cannot_be_read_is_named_in_one_line(tmp_path, monkeypatch, name, content, message):
+    # Found by the fuzz suite (tests/test_fuzz_search_spaces.py, issue 39): the parser's own error without the
+    # file's name, a RecursionError or a YAMLError (no ValueError: a traceback at the command line), and a
+    # 500-byte YAML file whose aliases the validation would have walked 134 million times.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(ValueError) as raised:
+        load_space(tmp_path / name)
+    assert str(raised.value).startswith(f"space: {tmp_path / name} ") and message in str(raised.value)
+    assert "\n" not in str(raised.value) and not (tmp_path / "MARKER").exists()
+
+
 def test_storage_passwords_never_leave_the_environment():
     url = "postgresql://cifar:s3cret@postgres:5432/optuna"
     assert studies.redact(url) == "postgresql://cifar:***@postgres:5432/optuna"

@@ -151,6 +151,8 @@ def test_validate_images_refuses_anything_else_with_the_contract():
     assert "do not form one" in refused([images[0].tolist(), images[1, :5].tolist()])  # Ragged lists.
     assert "got strings" in refused(images.astype(str).tolist())
     assert "got booleans" in refused(images.astype(bool))
+    # Found by the fuzz suite (tests/test_fuzz_serving.py): one JSON false among integers was read as 0 and answered.
+    assert "got booleans among the pixel values" in refused(with_value(images, False))
     assert "non-integer values" in refused(with_value(images, 2**70))  # Beyond int64: an object array.
     assert "non-integer values" in refused(with_value(images, None))
     assert "(float32, e.g. " in refused(images.astype(np.float32))

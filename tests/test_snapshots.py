@@ -18,7 +18,7 @@ from conftest import TEST_EXAMPLES, TRAIN_PER_BATCH
 from PIL import Image
 
 from cifar.config import make_config
-from cifar.data.additions import read_addition
+from cifar.data.additions import MAX_DECODED_PIXELS, NoUsableImagesError, decode_image, read_addition
 from cifar.data.archive import UnsafePickleError
 from cifar.data.drift import Profile, image_features, js_divergence, linf_distance
 from cifar.data.gate_checks import DataValidationError
@@ -110,6 +110,45 @@ def test_the_same_content_is_the_same_addition_and_batch_files_are_unpickled_saf
         read_addition(hostile, list(CLASS_NAMES))
 
 
+# Found by the fuzz suite (tests/test_fuzz_additions.py, issue 39).
+
+
+def declaring(image_format: str, width: int, height: int) -> bytes:
+    """A real 32x32 image file whose header declares `width` x `height` (its pixel data left as it was)."""
+    from fuzz_strategies import with_declared_dimensions
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(buffer, format=image_format)
+    return with_declared_dimensions(buffer.getvalue(), image_format, width, height)
+
+
+@pytest.mark.parametrize("image_format", ["PNG", "JPEG"])
+def test_an_image_declaring_other_dimensions_is_refused_from_its_header_not_decoded(tmp_path, image_format):
+    # A 236 KB PNG of 9000x9000 pixels took 310 MB and a second to refuse: it was decoded before its size was read.
+    # These files hold 32x32 pixels: decoded as 9000x9000 they would be `truncated`, not `size`.
+    path = tmp_path / "big"
+    path.write_bytes(declaring(image_format, 9000, 9000))
+    assert decode_image(path, None) == (
+        None,
+        ("size", "9000x9000 pixels, expected 32x32 (or opt into a declared resize)"),
+    )
+    kind, detail = decode_image(path, "bilinear")[1]
+    assert kind == "size" and f"over the {MAX_DECODED_PIXELS:,} pixels" in detail  # 81 M pixels: too many to decode.
+
+
+def test_a_file_name_with_a_newline_is_shown_escaped_on_the_one_line(tmp_path):
+    folder = tmp_path / "new"
+    (folder / "dragon").mkdir(parents=True)
+    (folder / "dragon" / "a\nb.png").write_bytes(b"not an image")
+    with pytest.raises(NoUsableImagesError) as raised:
+        read_addition(folder, list(CLASS_NAMES))
+    assert str(raised.value) == (
+        f"no usable image in {folder}: 1 file left out: dragon/a\\nb.png (unknown_class: folder 'dragon' is not a "
+        f"class name ({', '.join(CLASS_NAMES)}))"
+    )
+    assert raised.value.problems[0].file == "dragon/a\nb.png"  # The record keeps the name as it is.
+
+
 # Measures and fingerprints.
 
 
@@ -199,6 +238,39 @@ def test_a_bad_addition_is_refused_with_one_line_naming_the_check_and_files(
     config = config_for(python_archive, enforce=False)
     result, report = ingest_addition(config, folder, base_workdir, archive_info(python_archive), None)
     assert result.changed and not result.passed and [item.name for item in report.failed()] == [check]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("empty", "the folder holds no files"),
+        ("misspelt_class", "1 file left out: dragon/a.png (unknown_class: folder 'dragon' is not a class name"),
+        ("text_only", "2 files left out: cat/notes.txt (undecodable: not an image PIL can read); loose.png"),
+        ("empty_batch", "the batch file holds no images"),
+    ],
+)
+def test_an_addition_with_no_usable_image_is_refused_naming_each_file_and_nothing_is_stored(
+    python_archive, tmp_path, content, message
+):
+    # Issue 39: these ended in `cannot reshape array of size 0 into shape (0,newaxis)` from the gate.
+    path = tmp_path / "new"
+    path.mkdir()
+    if content == "misspelt_class":
+        (path / "dragon").mkdir()
+        Image.fromarray(make_split(1, seed=3)[0][0]).save(path / "dragon" / "a.png")
+    elif content == "text_only":
+        (path / "cat").mkdir()
+        (path / "cat" / "notes.txt").write_text("not an image")
+        Image.fromarray(make_split(1, seed=3)[0][0]).save(path / "loose.png")
+    elif content == "empty_batch":
+        path = write_batch_file(tmp_path / "data_batch_6", np.zeros((0, 32, 32, 3), np.uint8), [])
+    workdir = tmp_path / "workdir"
+
+    with pytest.raises(NoUsableImagesError) as raised:
+        ingest_addition(config_for(python_archive), path, workdir, archive_info(python_archive), None)
+
+    assert str(raised.value).startswith(f"no usable image in {path}: {message}") and "\n" not in str(raised.value)
+    assert not (workdir / "data").exists()  # Refused as read: no store, no rejected report, no analysis.
 
 
 def test_a_shifted_test_image_in_an_addition_is_leakage_kept_out_of_training(python_archive, base_workdir, tmp_path):

@@ -4,7 +4,8 @@
     folder       PATH/<class name>/<file>, PNG or JPEG, 32x32 RGB; `cat/001.png` is a cat
 
 Nothing is trusted: a file that cannot be used is listed with why and left out; the validation gate
-decides whether that is acceptable (docs/DATA.md, "Reading additions").
+decides whether that is acceptable (docs/DATA.md, "Reading additions"). A source with no usable image
+at all is refused here (`NoUsableImagesError`), naming every file's reason.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import hashlib
 import os
 import stat
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,12 +22,15 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from cifar.data.manifest import IMAGE_SHAPE
+from cifar.text import printable
 
 MAX_BATCH_FILE_BYTES = 1 << 30  # An official batch is 31 MB; a 1 GiB pickle (330,000 images) is the ceiling.
 IMAGE_FORMATS = {"PNG", "JPEG"}
+MAX_DECODED_PIXELS = 7680 * 4320  # An 8K frame (~100 MB as RGB): the largest image a declared resize decodes.
 # Declared resizes an addition may opt into (PIL's filters); the method is recorded with the addition.
 RESIZE_METHODS = ("bilinear", "bicubic", "lanczos", "box", "nearest")
 DIGEST_PREFIX = b"cifar-addition-v1\n"  # Versions the digest's definition, not the data.
+NAMED_PROBLEMS = 5  # Files named in the one line of a NoUsableImagesError; the rest are counted.
 
 
 class FileProblem(BaseModel):
@@ -36,6 +41,27 @@ class FileProblem(BaseModel):
     file: str  # Relative to the addition (a folder), or `<batch file>#<row>`.
     problem: str  # The kind: undecodable, truncated, size, mode, unknown_class, not_in_class_folder, link, format.
     detail: str
+
+
+class NoUsableImagesError(ValueError):
+    """Not one image of a source could be used: one line naming the source and why its files were left out.
+
+    An ordinary outcome of every reader (an empty folder, a misspelt class folder, a folder of text
+    files, an empty batch file or array), refused where it is read, before anything is stored or scored.
+    """
+
+    def __init__(self, source: str | Path, problems: Sequence[FileProblem], empty: str) -> None:
+        self.problems = list(problems)
+        if self.problems:
+            shown = "; ".join(
+                f"{printable(item.file)} ({item.problem}: {printable(item.detail)})"
+                for item in problems[:NAMED_PROBLEMS]
+            )
+            more = f"; and {len(problems) - NAMED_PROBLEMS} more" if len(problems) > NAMED_PROBLEMS else ""
+            reason = f"{len(problems)} file{'s' if len(problems) > 1 else ''} left out: {shown}{more}"
+        else:
+            reason = empty  # Nothing was left out: there was nothing (`empty` says so in the source's terms).
+        super().__init__(f"no usable image in {source}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -64,19 +90,25 @@ class Addition:
 
 
 def read_addition(path: str | Path, class_names: list[str], *, resize: str | None = None) -> Addition:
-    """Reads a batch file or an image folder (decided by what `path` is); raises ValueError if it is neither."""
+    """Reads a batch file or an image folder (decided by what `path` is); raises ValueError if it is neither,
+    and NoUsableImagesError (a ValueError) if not one of its images can be used."""
     path = Path(path).expanduser()
     if resize is not None and resize not in RESIZE_METHODS:
         raise ValueError(f"resize must be one of {', '.join(RESIZE_METHODS)}, got {resize!r}")
     if path.is_symlink():
         raise ValueError(f"{path} is a symbolic link: give the file or folder itself")
     if path.is_dir():
-        return read_image_folder(path, class_names, resize=resize)
-    if path.is_file():
+        addition = read_image_folder(path, class_names, resize=resize)
+    elif path.is_file():
         if resize is not None:
             raise ValueError("resize applies to image folders; a batch file's rows are 32x32 by definition")
-        return read_batch_file(path)
-    raise ValueError(f"no file or folder at {path}")
+        addition = read_batch_file(path)
+    else:
+        raise ValueError(f"no file or folder at {path}")
+    if not len(addition.labels):
+        empty = "the folder holds no files" if addition.kind == "folder" else "the batch file holds no images"
+        raise NoUsableImagesError(path, addition.problems, empty)
+    return addition
 
 
 def read_batch_file(path: str | Path) -> Addition:
@@ -173,30 +205,38 @@ def walk_files(root: Path) -> list[tuple[str, os.DirEntry | None]]:
 def decode_image(path: Path, resize: str | None) -> tuple[np.ndarray | None, tuple[str, str] | None]:
     """(HWC uint8 image (32, 32, 3), None) or (None, (problem kind, detail)) for one PNG or JPEG file.
 
-    The kinds: format, undecodable, truncated, mode, size (another size without a declared `resize`).
-    Shared with batch prediction (cifar.predict), so both read an image file the same way.
+    The kinds: format, undecodable, truncated, mode, size (another size without a declared `resize`, or more
+    than MAX_DECODED_PIXELS with one). The size is judged from the header, before anything is decoded: a few
+    hundred bytes can declare gigapixels. Shared with batch prediction (cifar.predict), so both read an
+    image file the same way.
     """
     from PIL import Image, UnidentifiedImageError
 
     try:
         with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PIL's remarks on a damaged file ("Corrupt EXIF data") are not for people.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
+            with Image.open(path) as image:  # Reads the header only.
                 if image.format not in IMAGE_FORMATS:
                     return None, ("format", f"{image.format} image; only PNG and JPEG are read")
+                width, height = image.size
+                if (width, height) != IMAGE_SHAPE[:2] and resize is None:
+                    return None, ("size", f"{width}x{height} pixels, expected 32x32 (or opt into a declared resize)")
+                if width * height > MAX_DECODED_PIXELS:
+                    return None, ("size", f"{width}x{height} pixels, over the {MAX_DECODED_PIXELS:,} pixels of "
+                                          "the largest image a resize decodes")  # fmt: skip
                 image.load()  # Decodes every byte: a truncated file fails here.
                 image = _as_rgb(image)
                 if image is None:
                     return None, ("mode", "not an RGB image (grey, CMYK, or transparent pixels)")
                 if image.size != IMAGE_SHAPE[:2]:
-                    if resize is None:
-                        size = f"{image.size[0]}x{image.size[1]}"
-                        return None, ("size", f"{size} pixels, expected 32x32 (or opt into a declared resize)")
                     image = image.resize(IMAGE_SHAPE[:2], getattr(Image.Resampling, resize.upper()))
                 return np.asarray(image, np.uint8).copy(), None
     except UnidentifiedImageError:
         return None, ("undecodable", "not an image PIL can read")
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:  # PIL's own header check.
+        return None, ("size", str(error))
+    except (OSError, SyntaxError, ValueError) as error:
         kind = "truncated" if "truncated" in str(error).lower() else "undecodable"
         return None, (kind, f"{type(error).__name__}: {error}")
 

@@ -12,8 +12,10 @@ import contextlib
 import gzip
 import io
 import pickle
+import pickletools
 import shutil
 import tarfile
+import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -112,10 +114,13 @@ def validate_batch(name: str, data: Any, labels: Any) -> tuple[np.ndarray, np.nd
         raise InvalidDatasetError(f"{name}: data has dtype {data.dtype}, expected uint8")
     if data.ndim != 2 or data.shape[1] != IMAGE_BYTES:
         raise InvalidDatasetError(f"{name}: data has shape {data.shape}, expected (N, {IMAGE_BYTES})")
-    try:
-        array = np.asarray(labels)
-    except (TypeError, ValueError) as error:
-        raise InvalidDatasetError(f"{name}: labels are not a list of integers: {error}") from error
+    # A flat list is checked before numpy sees it: nested lists sharing one memoised list would expand to billions.
+    flat = isinstance(labels, np.ndarray) or (
+        isinstance(labels, (list, tuple)) and all(isinstance(item, (int, np.integer)) for item in labels)
+    )
+    if not flat:
+        raise InvalidDatasetError(f"{name}: labels are a {type(labels).__name__}, expected a flat list of integers")
+    array = np.asarray(labels)
     if array.ndim != 1:
         raise InvalidDatasetError(f"{name}: labels have shape {array.shape}, expected a flat list")
     if len(array) and not np.issubdtype(array.dtype, np.integer):
@@ -187,8 +192,11 @@ def check_member(member: tarfile.TarInfo, total_bytes: int = 0) -> None:
     if not name or name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
         raise UnsafeArchiveError(f"archive member {name!r} has an absolute path")
     # Backslashes count as separators too, so 'a\..\b' is caught as well as 'a/../b'.
-    if ".." in PurePosixPath(name.replace("\\", "/")).parts:
+    parts = PurePosixPath(name.replace("\\", "/")).parts
+    if ".." in parts:
         raise UnsafeArchiveError(f"archive member {name!r} contains '..' and could escape the target directory")
+    if not parts and not member.isdir():  # '.' or './' names the target directory itself.
+        raise UnsafeArchiveError(f"archive member {name!r} is a file named as the archive's top directory")
     if member.issym() or member.islnk():
         raise UnsafeArchiveError(f"archive member {name!r} is a link to {member.linkname!r}; links are not allowed")
     if not (member.isfile() or member.isdir()):
@@ -271,14 +279,29 @@ def safe_extract(archive_path: str | Path, target_dir: str | Path) -> Path:
                 raise UnsafeArchiveError(f"archive member {member.name!r} resolves outside {target}")
             return path
 
-        def write_file(member: tarfile.TarInfo, reader: io.BufferedReader) -> None:
-            path = destination(member)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # "xb" never follows or overwrites an existing entry; file modes from the archive are ignored.
-            with open(path, "xb") as handle:
-                shutil.copyfileobj(reader, handle, 1 << 20)
+        @contextlib.contextmanager
+        def creating(member: tarfile.TarInfo) -> Iterator[Path]:
+            """The member's path, its creation refused when another member already made it the other kind."""
+            try:
+                yield destination(member)
+            except (FileExistsError, NotADirectoryError, IsADirectoryError):
+                raise UnsafeArchiveError(
+                    f"archive member {member.name!r} clashes with another member (a file where a directory is, or "
+                    "the reverse)"
+                ) from None
 
-        _scan_archive(archive_path, write_file, lambda member: destination(member).mkdir(parents=True, exist_ok=True))
+        def write_file(member: tarfile.TarInfo, reader: io.BufferedReader) -> None:
+            with creating(member) as path:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                # "xb" never follows or overwrites an existing entry; file modes from the archive are ignored.
+                with open(path, "xb") as handle:
+                    shutil.copyfileobj(reader, handle, 1 << 20)
+
+        def make_directory(member: tarfile.TarInfo) -> None:
+            with creating(member) as path:
+                path.mkdir(parents=True, exist_ok=True)
+
+        _scan_archive(archive_path, write_file, make_directory)
     return target
 
 
@@ -292,24 +315,55 @@ def _latin1_encode(text: str, encoding: str = "utf-8") -> bytes:
     return text.encode("latin-1")
 
 
-def _plain_dtype(*arguments: Any) -> np.dtype:
-    """numpy.dtype, refusing object dtypes (whose arrays would unpickle arbitrary objects)."""
-    dtype = np.dtype(*arguments)
+def _empty_bytes(*arguments: Any) -> bytes:
+    """What protocol-2 pickles written by Python 3 call for an empty bytes object (an empty batch's pixels): bytes()."""
+    if arguments:  # bytes(n) would allocate n bytes the pickle never held.
+        raise UnsafePickleError(f"pickle calls bytes{arguments!r}; only bytes() (empty) is allowed")
+    return b""
+
+
+def _plain_dtype(spec: Any, align: Any = False, copy: Any = True) -> np.dtype:
+    """numpy.dtype as pickles call it (`dtype('u1', False, True)`; Python 2's: bytes and 0/1), refusing object dtypes
+    (whose arrays would unpickle arbitrary objects) and any other call."""
+    if not isinstance(spec, (str, bytes)) or align not in (0, 1) or copy not in (0, 1):
+        raise UnsafePickleError(f"pickle calls numpy.dtype{(spec, align, copy)!r}; only a type name is allowed")
+    dtype = np.dtype(spec.decode("latin-1") if isinstance(spec, bytes) else spec)
     if dtype.hasobject:
         raise UnsafePickleError(f"pickle asks for an object dtype {dtype!r}; only plain numeric arrays are allowed")
     return dtype
 
 
+def _empty_array(subtype: Any, shape: Any, dtype: Any) -> np.ndarray:
+    """numpy's _reconstruct as array pickles call it: an empty ndarray, which the pickle's state then fills (and
+    which checks that state's bytes against its shape). Any other shape would allocate what the pickle never held."""
+    if subtype is not np.ndarray or shape != (0,):
+        raise UnsafePickleError(f"pickle calls numpy _reconstruct with {subtype!r}, {shape!r}; only an empty array")
+    return _reconstruct(np.ndarray, (0,), dtype)
+
+
+def _array_from_buffer(buffer: Any, dtype: Any, shape: Any, order: Any, axis_order: Any = None) -> np.ndarray:
+    """numpy's _frombuffer, which protocol-5 pickles call to rebuild an array: only over bytes the pickle holds, of a
+    plain dtype, in a shape those bytes fill exactly (numpy's reshape refuses any other)."""
+    if not isinstance(buffer, (bytes, bytearray)) or not isinstance(dtype, np.dtype) or dtype.hasobject:
+        raise UnsafePickleError("pickle calls numpy _frombuffer on something other than plain bytes and a plain dtype")
+    if order not in ("C", "F") or axis_order is not None:
+        raise UnsafePickleError(f"pickle calls numpy _frombuffer with order {order!r}; only 'C' or 'F' are allowed")
+    return np.frombuffer(buffer, dtype=dtype).reshape(shape, order=order)
+
+
 # Everything a CIFAR batch needs beyond what the pickle machine builds natively (dict, list, str, bytes,
-# int). NumPy 1 writes `numpy.core.multiarray`, NumPy 2 writes `numpy._core.multiarray`.
+# int). NumPy 1 writes `numpy.core.*`, NumPy 2 writes `numpy._core.*`; protocol 5 rebuilds arrays with _frombuffer.
 ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
-    ("numpy.core.multiarray", "_reconstruct"): _reconstruct,
-    ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+    ("numpy.core.multiarray", "_reconstruct"): _empty_array,
+    ("numpy._core.multiarray", "_reconstruct"): _empty_array,
     ("numpy.core.multiarray", "scalar"): scalar,
     ("numpy._core.multiarray", "scalar"): scalar,
+    ("numpy.core.numeric", "_frombuffer"): _array_from_buffer,
+    ("numpy._core.numeric", "_frombuffer"): _array_from_buffer,
     ("numpy", "ndarray"): np.ndarray,
     ("numpy", "dtype"): _plain_dtype,
     ("_codecs", "encode"): _latin1_encode,
+    ("__builtin__", "bytes"): _empty_bytes,
 }
 
 
@@ -328,14 +382,45 @@ class RestrictedUnpickler(pickle.Unpickler):
         raise UnsafePickleError(f"pickle uses persistent id {persistent_id!r}; refusing to load it")
 
 
+MEMO_OPCODES = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def check_pickle_lengths(data: bytes, name: str) -> None:
+    """Reads every opcode once, building nothing: a length, frame or memo index beyond what the pickle's own bytes
+    can hold is refused here, because the unpickler allocates what a pickle states before it reads the bytes (a
+    9-byte BYTEARRAY8 or LONG_BINPUT would take gigabytes)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # A string with an invalid escape warns: malformed, like the rest.
+            for count, (opcode, argument, position) in enumerate(pickletools.genops(data)):
+                if opcode.name == "FRAME" and argument > len(data) - position:
+                    raise ValueError(f"a frame of {argument:,} bytes at byte {position} runs past the end")
+                if opcode.name in MEMO_OPCODES and argument > count:  # Pickles number their memo entries 0, 1, ...
+                    raise ValueError(f"memo index {argument:,} at byte {position}")
+    except (ValueError, Warning) as error:  # pickletools' own, for a length past the end or an unknown opcode too.
+        raise InvalidDatasetError(f"{name}: not a readable CIFAR pickle: {error}") from None
+
+
 def load_pickle(data: bytes, name: str) -> Any:
     """Unpickles `data` (from member `name`) with RestrictedUnpickler; bytes keys and strings stay bytes."""
+    check_pickle_lengths(data, name)
     try:
-        # encoding="bytes" reads the official Python 2 pickles: their str values arrive as bytes.
-        return RestrictedUnpickler(io.BytesIO(data), encoding="bytes").load()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            # encoding="bytes" reads the official Python 2 pickles: their str values arrive as bytes.
+            return RestrictedUnpickler(io.BytesIO(data), encoding="bytes").load()
     except UnsafePickleError as error:
         raise UnsafePickleError(f"{name}: {error}") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as error:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        KeyError,
+        Warning,
+    ) as error:
         raise InvalidDatasetError(f"{name}: not a readable CIFAR pickle: {type(error).__name__}: {error}") from error
 
 

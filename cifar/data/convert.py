@@ -76,6 +76,38 @@ RECORD_HEADER = _LENGTH + struct.pack("<I", masked_crc32c(_LENGTH))
 FRAMED_RECORD_BYTES = len(RECORD_HEADER) + RECORD_BYTES + 4  # 3,126 bytes per record in a shard file.
 
 
+MAX_RECORD_BYTES = 1 << 16  # One 32x32 image's Example is 3,110 bytes; another writer's features fit many times.
+
+
+def framing_problem(path: str | Path, max_record_bytes: int = MAX_RECORD_BYTES) -> str | None:
+    """Why the TFRecord file at `path` is not safe to hand to TensorFlow, or None.
+
+    Every record's length must carry its own checksum, fit in the file and be at most `max_record_bytes`:
+    TensorFlow allocates what a header states before it reads (a 112-byte file stating a 1 TiB record
+    crashes the process, one stating 2 GiB takes 800 MB). Reads the 12-byte headers only.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        position = index = 0
+        while position < size:
+            header = handle.read(len(RECORD_HEADER))
+            where = f"record {index} (byte {position:,})"
+            if len(header) < len(RECORD_HEADER):
+                return f"{where}: the file ends inside its header"
+            (length,), (checksum,) = struct.unpack("<Q", header[:8]), struct.unpack("<I", header[8:])
+            if checksum != masked_crc32c(header[:8]):
+                return f"{where}: its length's checksum does not match (not a TFRecord file, or damaged)"
+            if length > max_record_bytes:
+                return f"{where} states {length:,} bytes, over the {max_record_bytes:,} bytes of a record of one image"
+            position += len(RECORD_HEADER) + length + 4  # The header, the data, the data's checksum.
+            if position > size:
+                return f"{where} states {length:,} bytes, more than the file holds"
+            handle.seek(position)
+            index += 1
+    return None
+
+
 def encode_records(images: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """TFRecord-framed serialized `tf.train.Example` protos, one row each: uint8 (N, FRAMED_RECORD_BYTES).
 

@@ -17,6 +17,7 @@ from cifar.data.drift import Profile, image_drift, label_drift
 from cifar.data.manifest import IMAGE_SHAPE, NUM_CLASSES
 from cifar.data.plan import SnapshotPlan
 from cifar.data.snapshots import StoredPart, now
+from cifar.text import printable
 
 MAX_LISTED = 200  # Offending files listed per check in the one-line error's report; the JSON lists them all.
 
@@ -142,7 +143,7 @@ def _schema(new_parts, settings: ValidateConfig) -> CheckResult:
     kinds: dict[str, int] = {}
     for problem in problems:
         kinds[problem["problem"]] = kinds.get(problem["problem"], 0) + 1
-    shown = ", ".join(f"{item['file']} ({item['problem']})" for item in problems[:5])
+    shown = ", ".join(f"{printable(item['file'])} ({item['problem']})" for item in problems[:5])
     more = f" and {count - 5} more" if count > 5 else ""
     summary = f"{count} unusable files: {shown}{more}" if count else "every file is a 32x32 RGB image of a known class"
     return CheckResult(
@@ -231,7 +232,7 @@ def _exclusions(digests: list[str], plan: SnapshotPlan, added: int, settings: Va
         share = len(items) / added if added else 0.0
         conflicts = sum(1 for item in items if item["conflicting_label"])
         what = "dropped" if reason == "duplicate" else "kept out of training"
-        shown = ", ".join(f"{item['name']} ~ {item['of']}" for item in items[:3])
+        shown = ", ".join(f"{printable(item['name'])} ~ {printable(item['of'])}" for item in items[:3])
         summary = (
             f"{len(items)} of {added:,} new images {what} ({100 * share:.2f} %, at most {100 * limit:g} %): {shown}"
             + (f" and {len(items) - 3} more" if len(items) > 3 else "")

@@ -22,6 +22,7 @@ from cifar.predict.sources import (
     open_source,
     read_ahead,
     read_chunks,
+    read_usable,
 )
 from cifar.predict.tracking import EXPERIMENT
 
@@ -51,5 +52,6 @@ __all__ = [
     "predict",
     "read_ahead",
     "read_chunks",
+    "read_usable",
     "resolve_model",
 ]

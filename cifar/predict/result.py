@@ -11,6 +11,7 @@ from cifar.data.additions import FileProblem
 from cifar.data.drift import FEATURE_RANGES, Profile
 from cifar.monitoring import MonitoringReference, MonitoringReport, monitor
 from cifar.predict.sources import KIND_NAMES
+from cifar.text import printable
 
 
 class PredictionResult(BaseModel):
@@ -75,7 +76,7 @@ class PredictionResult(BaseModel):
             f"  drift       {self.verdict()}",
         ]
         for problem in self.problems[:10]:
-            lines.append(f"  skipped     {problem.file}: {problem.problem} ({problem.detail})")
+            lines.append(f"  skipped     {printable(problem.file)}: {problem.problem} ({printable(problem.detail)})")
         if len(self.problems) > 10:
             lines.append(f"  skipped     ... {len(self.problems) - 10} more in {self.summary_path}")
         return "\n".join(lines)

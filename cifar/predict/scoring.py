@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,7 +22,7 @@ from cifar.monitoring import answers_summary, load_reference
 from cifar.predict.job import DRIFT_PNG, PREDICTIONS_FILE, SUMMARY_FILE, Job, output_key, predictions_root
 from cifar.predict.model import DEFAULT_MODEL, ScoringModel, resolve_model
 from cifar.predict.result import PredictionResult, drift_png, judge, judged_again
-from cifar.predict.sources import CHUNK_IMAGES, ImageSource, input_digest, open_source, read_ahead
+from cifar.predict.sources import CHUNK_IMAGES, Chunk, ImageSource, input_digest, open_source, read_usable
 from cifar.predict.tracking import finish_run, start_run
 
 Progress = Callable[[int, int | None], None]
@@ -84,29 +85,38 @@ def _score(job: Job, model: ScoringModel, progress: Progress | None) -> Predicti
 
     reference = job.reference
     threshold = reference.confidence_threshold if reference is not None else job.settings.confidence_threshold
-    run_id = start_run(job)
-    try:
-        with atomic_directory(job.output) as temp:
-            start = time.perf_counter()
-            tally = _write_predictions(job, model, threshold, temp / PREDICTIONS_FILE, progress)
-            result = _result(job, tally, threshold, start, run_id)
-            atomic_write_bytes(temp / DRIFT_PNG, drift_png(result, reference))
-            atomic_write_json(temp / SUMMARY_FILE, result.model_dump(mode="json", exclude={"reused"}))
-            finish_run(job.tracking_uri, run_id, result, temp)
-    except BaseException as error:
-        mark_failed(job.tracking_uri, run_id, f"{type(error).__name__}: {error}")
-        raise
+    start = time.perf_counter()
+    chunks = read_usable(job.source, job.chunk_size)  # No image at all: refused here, before any record.
+    with contextlib.closing(chunks):
+        run_id = start_run(job)
+        try:
+            with atomic_directory(job.output) as temp:
+                tally = _write_predictions(job, model, threshold, chunks, temp / PREDICTIONS_FILE, progress)
+                result = _result(job, tally, threshold, start, run_id)
+                atomic_write_bytes(temp / DRIFT_PNG, drift_png(result, reference))
+                atomic_write_json(temp / SUMMARY_FILE, result.model_dump(mode="json", exclude={"reused"}))
+                finish_run(job.tracking_uri, run_id, result, temp)
+        except BaseException as error:
+            mark_failed(job.tracking_uri, run_id, f"{type(error).__name__}: {error}")
+            raise
     end_run(job.tracking_uri, run_id)
     return result
 
 
-def _write_predictions(job: Job, model: ScoringModel, threshold: float, path: Path, progress: Progress | None) -> Tally:
+def _write_predictions(
+    job: Job,
+    model: ScoringModel,
+    threshold: float,
+    chunks: Iterator[tuple[Chunk, Profile]],
+    path: Path,
+    progress: Progress | None,
+) -> Tally:
     """Scores every chunk, appending its rows to the Parquet file at `path` as one row group; returns the totals."""
     import pyarrow.parquet as pq
 
     tally, done = Tally(), 0
     with pq.ParquetWriter(path, _schema(job)) as writer:
-        for chunk, chunk_profile in read_ahead(job.source, job.chunk_size):
+        for chunk, chunk_profile in chunks:
             tally.problems += chunk.problems
             if len(chunk.images):
                 outputs = model.predict(chunk.images)

@@ -11,13 +11,21 @@ import hashlib
 import os
 import queue
 import threading
-from collections.abc import Iterator
+import tokenize
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from cifar.data.additions import RESIZE_METHODS, FileProblem, decode_image, read_batch_rows, walk_files
+from cifar.data.additions import (
+    RESIZE_METHODS,
+    FileProblem,
+    NoUsableImagesError,
+    decode_image,
+    read_batch_rows,
+    walk_files,
+)
 from cifar.data.drift import Profile, image_features
 from cifar.data.manifest import IMAGE_BYTES, IMAGE_SHAPE
 from cifar.io import CHUNK_BYTES
@@ -28,6 +36,8 @@ CHUNK_IMAGES = 1000
 TFRECORD_SUFFIX = ".tfrecord"
 DIGEST_PREFIX = b"cifar-predict-input-v1\n"  # Versions the digest's definition, not the data.
 GLOB_CHARACTERS = set("*?[")
+# A batch file is a pickled dict: PROTO opens protocols 2-5 (CIFAR's batches are 2), MARK or EMPTY_DICT protocols 0-1.
+PICKLE_STARTS = frozenset(b"\x80(}")
 KIND_NAMES = {"folder": "image folder", "batch_file": "CIFAR batch file", "npy": ".npy array", "tfrecord": "TFRecords"}
 
 
@@ -116,7 +126,7 @@ def _single_file(path: Path) -> ImageSource:
         return ImageSource(kind="tfrecord", path=str(path), root=path.parent, files=(path.name,))
     with open(path, "rb") as handle:
         start = handle.read(2)
-    if len(start) < 2 or start[0] != 0x80:  # Pickle protocol 2+ opens with PROTO (0x80); CIFAR's batches are 2.
+    if len(start) < 2 or start[0] not in PICKLE_STARTS:
         raise ValueError(
             f"{path} is not a source of images: expected a folder of PNG/JPEG files, a CIFAR batch file "
             f"(a pickle, e.g. test_batch), a .npy uint8 array (N, 32, 32, 3) or {TFRECORD_SUFFIX} shards"
@@ -127,22 +137,34 @@ def _single_file(path: Path) -> ImageSource:
 def npy_layout(path: str | Path) -> tuple[int, int, bool]:
     """(images, byte offset of the data, C order) of a .npy file of uint8 images (N, 32, 32, 3); ValueError else.
 
-    Only the header is read: np.load with mmap_mode maps the file without touching its pages.
+    Only the header is read, with NumPy's own header reader (no pickle, no memory map), and the file must
+    hold exactly the bytes its header states: a header can state any shape in a few bytes.
     """
+    formats = np.lib.format
+    readers = {(1, 0): formats.read_array_header_1_0, (2, 0): formats.read_array_header_2_0}
+    expected = (
+        "expected uint8 images (N, 32, 32, 3): integers 0..255, channels last (a folder of image files can be "
+        "resized with a declared method)"
+    )
     try:
-        array = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as error:
+        with open(path, "rb") as handle:
+            version = formats.read_magic(handle)
+            if version not in readers:  # Version 3 is for structured types with non-latin-1 names.
+                raise ValueError(f"a version {version[0]}.{version[1]} header")
+            shape, fortran_order, dtype = readers[version](handle)
+            offset = handle.tell()
+            size = os.fstat(handle.fileno()).st_size
+    except (ValueError, OSError, EOFError, SyntaxError, RecursionError, tokenize.TokenError) as error:
+        # NumPy's reader evaluates the header as a Python literal, tokenizing it to read old-style headers.
         raise ValueError(f"{path} is not a readable .npy file: {error}") from None
-    if not isinstance(array, np.memmap):  # An .npz archive, opened as such.
-        raise ValueError(f"{path} is not a single .npy array")
-    if array.dtype != np.uint8 or array.ndim != 4 or tuple(array.shape[1:]) != IMAGE_SHAPE:
+    if dtype != np.uint8 or len(shape) != 4 or tuple(shape[1:]) != IMAGE_SHAPE:
+        raise ValueError(f"{path} holds {dtype} {tuple(shape)}; {expected}")
+    if offset + shape[0] * IMAGE_BYTES != size:
         raise ValueError(
-            f"{path} holds {array.dtype} {tuple(array.shape)}; expected uint8 images (N, 32, 32, 3): integers "
-            "0..255, channels last (a folder of image files can be resized with a declared method)"
+            f"{path} states {shape[0]:,} images in its header but holds {size - offset:,} bytes of them, not "
+            f"{shape[0] * IMAGE_BYTES:,}: truncated or damaged"
         )
-    layout = len(array), int(array.offset), bool(array.flags.c_contiguous)
-    del array  # Unmaps the file.
-    return layout
+    return shape[0], offset, not fortran_order
 
 
 def input_digest(source: ImageSource) -> str:
@@ -208,6 +230,28 @@ def read_ahead(source: ImageSource, chunk_size: int = CHUNK_IMAGES, depth: int =
     finally:
         stop.set()
         producer.join()
+
+
+def read_usable(source: ImageSource, chunk_size: int = CHUNK_IMAGES) -> Iterator[tuple[Chunk, Profile]]:
+    """`read_ahead`, read up to the source's first image before it returns: a source without one raises
+    NoUsableImagesError here, naming every file left out, before anything is scored or recorded."""
+    chunks = read_ahead(source, chunk_size)
+    before: list[tuple[Chunk, Profile]] = []  # Chunks of problems only: a few lists of names.
+    for item in chunks:
+        before.append(item)
+        if len(item[0].images):
+            return _resumed(before, chunks)
+    problems = [problem for chunk, _ in before for problem in chunk.problems]
+    raise NoUsableImagesError(source.path, problems, f"it holds no images ({KIND_NAMES[source.kind]})")
+
+
+def _resumed(before: list, rest: Generator) -> Generator:
+    """The chunks already read, then the rest; closing it stops the read-ahead thread."""
+    try:
+        yield from before
+        yield from rest
+    finally:
+        rest.close()
 
 
 def _folder_chunks(source: ImageSource, chunk_size: int) -> Iterator[Chunk]:
@@ -301,14 +345,24 @@ def check_shards(
     so a shard that breaks halfway is skipped whole rather than scored in part."""
     import tensorflow as tf
 
+    from cifar.data.convert import framing_problem
+
     readable, problems = [], []
     for name in source.files:
+        framing = framing_problem(source.root / name)  # TensorFlow allocates what a header states: checked first.
+        if framing is not None:
+            problems.append(FileProblem(file=name, problem="undecodable", detail=framing))
+            continue
         count = 0
         try:
             for images in _shard_dataset(source.root / name, chunk_size):
                 count += int(images.shape[0])
         except tf.errors.OpError as error:
             detail = f"unreadable after {count:,} images: {error.message.splitlines()[0][:300]}"
+            problems.append(FileProblem(file=name, problem="undecodable", detail=detail))
+            continue
+        except UnicodeDecodeError:  # TensorFlow's error quoted the record's bytes, which are not UTF-8.
+            detail = f"unreadable after {count:,} images: a record is not an Example of a 32x32 image"
             problems.append(FileProblem(file=name, problem="undecodable", detail=detail))
             continue
         readable.append((name, count))

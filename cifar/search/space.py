@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
 
 from cifar.config import PipelineConfig, SafeName, TrainConfig
+from cifar.text import printable, shortened
 
 # Fields a search never varies: how a run is resumed or named, and the machine it runs on.
 FIXED_TRAIN_FIELDS = frozenset({"resume", "run_name", "gpus", "deterministic", "cache"})
@@ -282,12 +283,36 @@ def load_space(name_or_path: str | Path | SearchSpace | dict[str, Any]) -> Searc
     path = Path(text).expanduser()
     if not path.is_file():
         raise ValueError(f"space: {text!r} is neither a preset ({', '.join(sorted(SPACE_PRESETS))}) nor a file")
-    if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
-    else:
-        values = json.loads(path.read_text(encoding="utf-8"))
+    values = _read_document(path)
     if not isinstance(values, dict):
         raise ValueError(f"space: {path} must hold a mapping, got {type(values).__name__}")
     return SearchSpace.model_validate(values)
+
+
+MAX_DOCUMENT_VALUES = 10_000  # A space holds tens; YAML aliases can make 300 bytes stand for billions.
+
+
+def _read_document(path: Path) -> Any:
+    """The JSON or YAML (by suffix) value of a space file; ValueError naming the file when it cannot be read, or
+    when it stands for more than MAX_DOCUMENT_VALUES values once its aliases are expanded."""
+    import yaml
+
+    kind = "YAML" if path.suffix.lower() in (".yaml", ".yml") else "JSON"
+    try:
+        text = path.read_text(encoding="utf-8")
+        values = yaml.safe_load(text) if kind == "YAML" else json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError, yaml.YAMLError) as error:
+        reason = " ".join(str(error).split()) or type(error).__name__  # YAML's messages span lines.
+        raise ValueError(f"space: {path} is not a readable {kind} file: {shortened(printable(reason))}") from None
+    pending, count = [values], 0
+    while pending:  # Counts what validating it would visit, shared (aliased) values as often as they appear.
+        value = pending.pop()
+        count += 1
+        if count > MAX_DOCUMENT_VALUES:
+            raise ValueError(f"space: {path} stands for more than {MAX_DOCUMENT_VALUES:,} values (YAML aliases)")
+        if isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return values
