@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -312,6 +313,25 @@ def manifest_dataset(manifest, data_dir: str | Path):
             warnings.simplefilter("ignore", UserWarning)
             source = resolve_dataset_source(location)
     return MetaDataset(source, name=Path(data_dir).name, digest=manifest.key, schema=schema)
+
+
+def log_training_input(dataset) -> None:
+    """`mlflow.log_input(dataset, context="training")` on the active run, safe for runs starting together.
+
+    MLflow stores a dataset once per experiment and inserts it unless it finds it: two runs on the same
+    data starting at once (a parallel search's trials) both inserted, and the second failed on the
+    datasets table's unique key. Asked again, MLflow finds the row and only links it to this run.
+    """
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(3):
+        try:
+            mlflow.log_input(dataset, context="training")
+            return
+        except MlflowException as error:
+            if attempt == 2 or not re.search(r"UNIQUE constraint|duplicate key|IntegrityError", str(error)):
+                raise
 
 
 # --- Data validation: the gate's values on the pipeline's run, or on a run of their own when it fails. --

@@ -464,7 +464,7 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
         params["performance.precision"] = performance["precision"]
         tracking.log_params(uri, run_id, params)
         with tracking.use_run(uri, run_id):
-            mlflow.log_input(tracking.manifest_dataset(job.manifest, job.data_dir), context="training")
+            tracking.log_training_input(tracking.manifest_dataset(job.manifest, job.data_dir))
             mlflow.log_dict(job.config.model_dump(mode="json"), "config.json")
             mlflow.log_artifact(str(job.data_dir / "manifest.json"))
     client = tracking.mlflow_client(uri)
