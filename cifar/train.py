@@ -445,8 +445,7 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
     }
     run_id = run.read_state().get("mlflow_run_id")
     if not (run_id and tracking.run_exists(uri, run_id)):
-        # Derived values and keys are tags, not params: the compare page plots params, and these would
-        # crowd out the settings a person chose.
+        # Derived values and keys are tags: as params they would crowd the compare page's chosen settings.
         derived = {
             "derived.steps_per_epoch": job.steps_per_epoch,
             "derived.train_examples": job.num_train_examples,
