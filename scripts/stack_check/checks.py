@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ def check_images(context: Context, row: Row) -> None:
         "MLFLOW_HOST_PORT": str(free_port()),
         "SERVE_HOST_PORT": str(free_port()),
         "CIFAR_DATA_DIR": str(context.settings.archive.resolve().parent),
+        # Two checks at once on one machine (two branches) build and run their own images.
+        "CIFAR_IMAGE_TAG": os.environ.get("CIFAR_IMAGE_TAG", "latest"),
         **context.bases,
     }
     build_images(context.engine, context.variables, context.settings.gpu, context.report, row)

@@ -98,7 +98,7 @@ def compose_builds(variables: dict[str, str]) -> list[ImageBuild]:
         build = service.get("build")
         if not build:
             continue
-        image = service["image"]
+        image = interpolate(service["image"], variables)
         context = (DOCKER_DIR / build.get("context", ".")).resolve()
         dockerfile, target = context / build["dockerfile"], build.get("target")
         args = {key: interpolate(str(value), variables) for key, value in (build.get("args") or {}).items()}
@@ -123,7 +123,7 @@ def build_images(engine: Engine, variables: dict[str, str], gpu: bool, report: R
         target, tag = build.target, build.image
         if gpu_image and not gpu:
             # Everything but the CUDA layer and the code: the stages shared with the CPU image.
-            target, tag = "dependencies", build.image.replace(":latest", ":dependencies")
+            target, tag = "dependencies", build.image.rsplit(":", 1)[0] + ":dependencies"
         argv = ["build", "-f", build.dockerfile, "-t", tag, *secret]
         if target:
             argv += ["--target", target]
