@@ -38,8 +38,6 @@ DRY_RUN_ENV = "CIFAR_DRY_RUN"  # A directory: each flow run writes its resolved 
 STAGE_LOGGERS = ("cifar", "tasks")  # PREFECT_LOGGING_EXTRA_LOGGERS=cifar,tasks also sends them to the API.
 SUPERVISED_ENV = "CIFAR_PIPELINE_SUPERVISED"  # Set in the child: it runs the flow instead of supervising.
 PR_SET_CHILD_SUBREAPER = 36  # prctl option (Linux): orphaned descendants are re-parented to this process.
-EPHEMERAL_STARTUP_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
-EPHEMERAL_STARTUP_SECONDS = 90
 # After a SIGTERM, how long the run gets to save and end before it is killed. Training saves within two
 # steps (cifar.callbacks.SaveOnSigterm); give `docker stop -t` / terminationGracePeriodSeconds at least this.
 STOP_GRACE_SECONDS = 60
@@ -157,7 +155,9 @@ def run_command(
     if os.environ.get(SUPERVISED_ENV) != "1" and sys.platform == "linux":
         if ephemeral_server:
             prepare_ephemeral_database()
-        return supervise(script, sys.argv[1:] if argv is None else list(argv))
+        code = supervise(script, sys.argv[1:] if argv is None else list(argv), fork=argv is None)
+        if code is not None:
+            return code
     log_path = log_to_file(request.workdir, script)
     try:
         return request.run()
@@ -172,20 +172,29 @@ def run_command(
         return 1
 
 
-def supervise(script: str, argv: list[str]) -> int:
+def supervise(script: str, argv: list[str], *, fork: bool = False) -> int | None:
     """Runs `flows/<script>.py` in a child process; afterwards no process it started is left running.
 
     The one place that watches a run's processes. A SIGTERM (`docker stop`, a Kubernetes eviction, `kill PID`)
     is forwarded to the child, which saves and ends (training: `cifar.callbacks.SaveOnSigterm`; elsewhere
     Prefect records the flow run as crashed); the child is killed if it has not ended `STOP_GRACE_SECONDS` later.
+    `fork`: the child is a fork of this process and gets None back (it runs the flow); else a new interpreter.
     """
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # Its orphans (the Prefect server) become ours to end.
-    command = [sys.executable, str(REPO_ROOT / "flows" / f"{script}.py"), *argv]
-    environment = {**os.environ, SUPERVISED_ENV: "1"}
-    # Prefect waits 20 s for a run's temporary server; several runs starting at once on 2 busy cores took longer.
-    environment.setdefault(EPHEMERAL_STARTUP_ENV, str(EPHEMERAL_STARTUP_SECONDS))
-    child = subprocess.Popen(command, env=environment)  # Same process group: Ctrl-C reaches it.
+    import psutil
+
+    if fork:
+        # The command line's own process: it has imported the flow and checked the request with one Python
+        # thread (no framework has started its own yet), so a fork saves the child those seconds again.
+        pid = os.fork()
+        if pid == 0:
+            os.environ[SUPERVISED_ENV] = "1"
+            return None
+        child: subprocess.Popen | psutil.Process = psutil.Process(pid)
+    else:
+        command = [sys.executable, str(REPO_ROOT / "flows" / f"{script}.py"), *argv]
+        child = subprocess.Popen(command, env={**os.environ, SUPERVISED_ENV: "1"})  # Same group: Ctrl-C reaches it.
     # Only the child: the temporary Prefect server it started must outlive it to record how its flow run ended.
     deadline, stopping = threading.Timer(STOP_GRACE_SECONDS, child.kill), threading.Event()
     deadline.daemon = True
@@ -203,8 +212,6 @@ def supervise(script: str, argv: list[str]) -> int:
         code = child.wait()
     finally:
         deadline.cancel()
-        import psutil
-
         leftovers = psutil.Process().children(recursive=True)
         for process in leftovers:
             process.kill()

@@ -33,11 +33,15 @@ TEST_EXAMPLES = 200
 SLOWEST_FIRST = (
     "test_reliability.py",
     "test_prefect_server.py",
-    "test_continuous_training.py",
     "test_search.py",
-    "test_reuse_pipeline.py",
+    "test_multiworker.py",
+    "test_continuous_training.py",
     "test_flow_local.py",
+    "test_reuse_pipeline.py",
     "test_postgres_stack.py",
+    "test_resume.py",
+    "test_distribute.py",
+    "test_train.py",
     "test_predict.py",
 )
 

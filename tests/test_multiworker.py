@@ -21,6 +21,7 @@ import pytest
 
 from cifar.cluster import ClusterSpec, GangStartError, ResumePoint
 from cifar.config import make_config
+from cifar.summary import PipelineSummary
 from harness import REPO_ROOT
 from harness.prefect import prefect_env
 from harness.servers import start_prefect_server
@@ -178,12 +179,12 @@ def test_two_workers_train_one_run_a_killed_worker_stops_the_job_and_the_same_co
     resumed = pipeline(python_archive, workdir)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert re.search(r"resuming tiny-\w+ after epoch 1", worker_log(workdir))  # From the chief's checkpoint (MLflow).
-    summary = json.loads((workdir / "summary.json").read_text())["training"]
-    client = mlflow.MlflowClient(tracking_uri=summary["tracking_uri"])
+    training = PipelineSummary.read(workdir / "summary.json").training
+    client = mlflow.MlflowClient(tracking_uri=training.tracking_uri)
     assert len(client.search_runs(["1"])) == 1  # One MLflow run, only the chief's.
     for metric in ("loss", "val_accuracy"):
-        assert sorted(entry.step for entry in client.get_metric_history(summary["mlflow_run_id"], metric)) == [1, 2, 3]
+        assert sorted(entry.step for entry in client.get_metric_history(training.mlflow_run_id, metric)) == [1, 2, 3]
     # Both workers stepped together: the worker's losses are the chief's.
-    chief = {entry.step: entry.value for entry in client.get_metric_history(summary["mlflow_run_id"], "loss")}
+    chief = {entry.step: entry.value for entry in client.get_metric_history(training.mlflow_run_id, "loss")}
     worker = [float(loss) for loss in re.findall(r"Worker 1: epoch [23]/3, loss (\d+\.\d+)", worker_log(workdir))]
     assert worker == pytest.approx([chief[2], chief[3]], abs=1e-3)
