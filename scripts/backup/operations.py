@@ -188,8 +188,8 @@ def restore_volume(stack: Stack, archive: VolumeArchive, directory: Path) -> Non
     container = stack.container(archive.service)
     image = stack.engine("inspect", "--format", "{{.Image}}", container, timeout=60).stdout.strip()
     helper = ["run", "--rm", "--network", "none", "--volumes-from", container]
-    run_from_file(stack, [*helper, "-i", "--entrypoint", "tar", image, "-x", "-f", "-", "-C", archive.path],
-                  directory / archive.file)  # fmt: skip
+    untar = [*helper, "-i", "--entrypoint", "tar", image, "-x", "-f", "-", "-C", archive.path]
+    run_from_file(stack, untar, directory / archive.file)
     sizes = stack.engine(*helper, "--entrypoint", "find", image, archive.path, "-type", "f", "-printf", r"%s\n")
     found = [int(size) for size in sizes.stdout.split()]
     if (len(found), sum(found)) != (archive.files, archive.bytes):
