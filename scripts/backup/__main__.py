@@ -10,7 +10,7 @@ from pathlib import Path
 
 from harness.compose import DOCKER_DIR, ENV_EXAMPLE_PATH, read_env_file
 from scripts.backup.manifest import BackupError
-from scripts.backup.operations import back_up, restore
+from scripts.backup.operations import back_up, restore, unfinished_flow_runs
 from scripts.stack_check.engine import Engine
 from scripts.stack_check.shell import Shell, StepError
 from scripts.stack_check.stack import Stack
@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"restored {arguments.directory} (made {manifest.created}) into {stack.project} in {seconds:.0f} s:")
             print(f"  databases {', '.join(d.name for d in manifest.databases)}: every table's rows as backed up")
             print(f"  volumes {', '.join(v.volume for v in manifest.volumes)}: every file back; services healthy")
+            for flow_run in unfinished_flow_runs(stack):
+                print(
+                    f"  in progress when backed up, now without a process: {flow_run}; mark it Crashed in the "
+                    "Prefect UI (Change state) and run it again to resume from its last checkpoint"
+                )
     except (BackupError, StepError) as error:
         print(f"error: {error} (commands: {log})", file=sys.stderr)
         return 1

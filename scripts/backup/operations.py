@@ -216,3 +216,11 @@ def restore(stack: Stack, directory: Path, force: bool = False) -> tuple[Manifes
         restore_volume(stack, archive, Path(directory))
     stack.up()
     return manifest, time.monotonic() - started
+
+
+def unfinished_flow_runs(stack: Stack) -> list[str]:
+    """Flow runs the backup caught in progress: restored RUNNING (or PENDING) with no process behind them, and
+    the heartbeat automation's window long over, so nothing will end them by itself."""
+    database = stack.variables.get("CIFAR_PREFECT_DB") or "prefect"
+    query = "SELECT name, id, state_type FROM flow_run WHERE state_type IN ('PENDING', 'RUNNING', 'CANCELLING')"
+    return [f"{name} ({flow_run_id}, {state})" for name, flow_run_id, state in stack.psql(database, query)]
