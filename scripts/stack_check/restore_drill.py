@@ -4,6 +4,7 @@ the runs, metrics, registry, alias, deployments, schedules and the served champi
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from typing import Any
 
@@ -124,6 +125,7 @@ def check_restore(context: Context, row: Row) -> None:
     found = differences(before, after)
     if found:
         raise StepError(f"{len(found)} differences after the restore: {'; '.join(found[:4])}")
+    shutil.rmtree(directory)  # ~240 MB; kept when the drill fails, beside the command log.
     sizes = ", ".join(f"{stored.name} {stored.bytes / 1e6:.1f} MB" for stored in manifest.files)
     mlflow, prefect = after["mlflow"], after["prefect"]
     histories = sum(len(run["metrics"]) for run in mlflow["runs"].values())
