@@ -19,7 +19,7 @@ MODEL ?= models:/cifar10@champion
 # Framework start-up lines and offline telemetry stay out of the logs; CIFAR_VERBOSE=1 lets them through.
 QUIET := $(if $(filter 1,$(CIFAR_VERBOSE)),,TF_CPP_MIN_LOG_LEVEL=2 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false)
 
-.PHONY: setup run test fuzz lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check stack-check
+.PHONY: setup run test fuzz lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check stack-check backup restore
 
 setup: $(VENV)/.installed
 
@@ -105,6 +105,21 @@ ui-check: setup
 # Installs Podman when missing; ENGINE=docker uses Docker; GPU=1 also builds the CUDA image.
 stack-check: setup
 	$(PY) -m scripts.stack_check
+
+# The compose stack's state (scripts/backup/): both databases (pg_dump), the MLflow artifacts and the workdir
+# volume, to BACKUP_DIR/<UTC time>/ with a manifest of sizes and SHA-256s; `make restore BACKUP=DIR` verifies
+# it and restores it into an empty stack (FORCE=1 deletes the project's containers and volumes first).
+# ENGINE=docker for Docker; COMPOSE_PROJECT and ENV_FILE name another stack.
+BACKUP_DIR ?= backups
+COMPOSE_PROJECT ?= cifar
+ENV_FILE ?= docker/.env
+BACKUP_OPTIONS = --project $(COMPOSE_PROJECT) --env-file $(ENV_FILE) $(if $(ENGINE),--engine $(ENGINE))
+backup: setup
+	$(PY) -m scripts.backup $(BACKUP_OPTIONS) backup --out $(BACKUP_DIR)
+
+restore: setup
+	@test -n "$(BACKUP)" || { echo "error: name the backup: make restore BACKUP=backups/<UTC time>" >&2; exit 2; }
+	$(PY) -m scripts.backup $(BACKUP_OPTIONS) restore $(BACKUP) $(if $(filter 1,$(FORCE)),--force)
 
 clean:
 	rm -rf $(VENV) workdir .pytest_cache

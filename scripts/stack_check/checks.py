@@ -13,9 +13,11 @@ from scripts.stack_check.context import Context
 from scripts.stack_check.drills import check_kill, check_resume, check_search
 from scripts.stack_check.engine import Engine, install_tools
 from scripts.stack_check.images import build_images, choose_bases
+from scripts.stack_check.outages import check_outages
 from scripts.stack_check.pipeline import check_mlflow, check_prefect_database, check_restart, check_smoke_run
 from scripts.stack_check.privileges import check_privileges
 from scripts.stack_check.report import Row
+from scripts.stack_check.restore_drill import check_restore
 from scripts.stack_check.serving import check_serving
 from scripts.stack_check.stack import Stack
 from scripts.stack_check.teardown import teardown
@@ -77,6 +79,8 @@ CHECKS = (
     Step("MLflow run, metrics, champion, artifacts", check_mlflow),
     Step("stack stopped and started: all still there", check_restart),
     Step("served champion = reloaded SavedModel", check_serving),
+    Step("backup, every volume deleted, restore: all back", check_restore),
+    Step("PostgreSQL, Prefect, MLflow restarted mid-training", check_outages),
     Step("worker killed mid-training: CRASHED", check_kill),
     Step("re-run resumes from the last checkpoint", check_resume),
     Step("2 workers: 4-trial search, parallel 2", check_search),

@@ -38,7 +38,8 @@ class Engine:
 
     def compose_command(self) -> list[str]:
         if self.name == "podman":
-            return [str(TOOLS_VENV / "bin" / "podman-compose")]
+            bundled = TOOLS_VENV / "bin" / "podman-compose"  # The stack check's; else the machine's own.
+            return [str(bundled) if bundled.is_file() or not shutil.which("podman-compose") else "podman-compose"]
         return ["docker", "compose"]
 
     def image_id(self, image: str) -> str | None:

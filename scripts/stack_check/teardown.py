@@ -8,6 +8,7 @@ from scripts.stack_check.context import Context
 from scripts.stack_check.engine import Engine
 from scripts.stack_check.report import Row
 from scripts.stack_check.shell import StepError
+from scripts.stack_check.stack import Stack
 
 
 def leftovers(engine: Engine, project: str) -> dict[str, list[str]]:
@@ -27,10 +28,8 @@ def leftovers(engine: Engine, project: str) -> dict[str, list[str]]:
     return {kind: names for kind, names in found.items() if names}
 
 
-def teardown(context: Context, row: Row) -> None:
-    """`down -v`, then whatever it missed (a failed start, a half-made container) one by one; nothing may be left.
-    The images are the next run's build cache."""
-    engine, stack, project = context.engine, context.stack, context.settings.project
+def remove_project(engine: Engine, stack: Stack | None, project: str) -> dict[str, list[str]]:
+    """`down -v`, then whatever it missed (a failed start, a half-made container) one by one; what that was."""
     if stack is not None:
         with contextlib.suppress(StepError):
             # podman-compose 1.6's `down` knows only the first container of a scaled service: the others
@@ -45,6 +44,13 @@ def teardown(context: Context, row: Row) -> None:
     for kind, command in removals.items():
         for name in left.get(kind, []):
             engine(*command, name, check=False, timeout=120)
+    return left
+
+
+def teardown(context: Context, row: Row) -> None:
+    """Everything removed; nothing may be left. The images are the next run's build cache."""
+    engine, project = context.engine, context.settings.project
+    left = remove_project(engine, context.stack, project)
     remaining = leftovers(engine, project)
     if remaining:
         raise StepError(f"still there: {remaining}")
