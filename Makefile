@@ -19,7 +19,8 @@ MODEL ?= models:/cifar10@champion
 # Framework start-up lines and offline telemetry stay out of the logs; CIFAR_VERBOSE=1 lets them through.
 QUIET := $(if $(filter 1,$(CIFAR_VERBOSE)),,TF_CPP_MIN_LOG_LEVEL=2 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false)
 
-.PHONY: setup run test fuzz lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check stack-check
+.PHONY: setup run test fuzz lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check stack-check \
+	stack-env stack-ca
 
 setup: $(VENV)/.installed
 
@@ -105,6 +106,18 @@ ui-check: setup
 # Installs Podman when missing; ENGINE=docker uses Docker; GPU=1 also builds the CUDA image.
 stack-check: setup
 	$(PY) -m scripts.stack_check
+
+# docker/.env for docker/compose.yaml: docker/env.example's settings, every missing password generated and
+# printed once (docs/PRODUCTION.md "Sign-in"). Run again after an upgrade adds a secret: it fills in only those.
+stack-env:
+	$(PYTHON) -m scripts.stack_env
+
+# The running stack's CA certificate (its front door's local CA) into docker/ca.crt, for clients and the
+# workers of other machines (docker/worker-remote.yaml). COMPOSE=podman-compose with Podman.
+COMPOSE ?= docker compose
+stack-ca:
+	$(COMPOSE) -f docker/compose.yaml exec -T proxy cat /certs/ca.crt > docker/ca.crt
+	@echo "docker/ca.crt: the front door's CA; clients trust it (SSL_CERT_FILE, REQUESTS_CA_BUNDLE, curl --cacert)"
 
 clean:
 	rm -rf $(VENV) workdir .pytest_cache

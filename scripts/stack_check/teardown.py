@@ -6,6 +6,7 @@ import contextlib
 
 from scripts.stack_check.context import Context
 from scripts.stack_check.engine import Engine
+from scripts.stack_check.remote import remove_remote_worker
 from scripts.stack_check.report import Row
 from scripts.stack_check.shell import StepError
 
@@ -33,6 +34,8 @@ def teardown(context: Context, row: Row) -> None:
     engine, stack, project = context.engine, context.stack, context.settings.project
     if stack is not None:
         with contextlib.suppress(StepError):
+            remove_remote_worker(stack)  # Its own compose project (scripts/stack_check/remote.py).
+        with contextlib.suppress(StepError):
             # podman-compose 1.6's `down` knows only the first container of a scaled service: the others
             # (worker 2) would keep the services they depend on, and their volumes, from being removed.
             for container in stack.containers() if engine.name == "podman" else []:
@@ -45,7 +48,7 @@ def teardown(context: Context, row: Row) -> None:
     for kind, command in removals.items():
         for name in left.get(kind, []):
             engine(*command, name, check=False, timeout=120)
-    remaining = leftovers(engine, project)
+    remaining = {**leftovers(engine, f"{project}-remote"), **leftovers(engine, project)}
     if remaining:
         raise StepError(f"still there: {remaining}")
     row.detail = f"no container, volume, network or pod of {project} left" + (
