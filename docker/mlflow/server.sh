@@ -18,6 +18,9 @@ default_permission = NO_PERMISSIONS
 database_uri = ${MLFLOW_BACKEND_STORE_URI//%/%%}
 admin_username = ${MLFLOW_AUTH_ADMIN_USERNAME:-admin}
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+# A password check (scrypt) costs ~0.1 s of CPU: each server process remembers a good one for 60 s, so a
+# changed or deleted password may still pass for that long on the processes that did not make the change.
+auth_cache_ttl_seconds = 60
 INI
 export MLFLOW_AUTH_CONFIG_PATH=$config
 # The front door's names are hosts this server answers (DNS-rebinding protection) and origins its UI is

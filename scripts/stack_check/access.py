@@ -102,13 +102,14 @@ def check_identities(context: Context, row: Row) -> None:
     """The viewer reads but changes nothing; the workers' account moves the alias; a new user sees nothing."""
     stack, findings = context.stack, context.findings
     run_id, version = findings.mlflow_run_id, findings.champion_version
+    experiment_id = stack.mlflow("runs/get", run_id=run_id)["run"]["info"]["experiment_id"]
     alias = {"name": MODEL_NAME, "alias": "champion", "version": version}
     champion = {"name": MODEL_NAME, "alias": "champion"}
     new_version = {"name": MODEL_NAME, "source": f"runs:/{run_id}/model", "run_id": run_id}
     # (account, what it tries, method, path, JSON body, query, the answer it must get)
     attempts = [
         ("viewer", "reads the smoke run", "GET", "runs/get", None, {"run_id": run_id}, 200),
-        ("viewer", "searches runs", "POST", "runs/search", {"max_results": 5}, None, 200),
+        ("viewer", "searches runs", "POST", "runs/search", {"experiment_ids": [experiment_id]}, None, 200),
         ("viewer", "reads the champion", "GET", "registered-models/alias", None, champion, 200),
         ("viewer", "deletes a run", "POST", "runs/delete", {"run_id": run_id}, None, 403),
         ("viewer", "registers a version", "POST", "model-versions/create", new_version, None, 403),
@@ -168,7 +169,7 @@ def check_no_secrets(context: Context, row: Row) -> None:
     values = secret_values(stack.variables)
     containers = stack.containers() + stack.containers(project=stack.remote_project)
     images = sorted(
-        {engine("inspect", "--format", "{{.ImageName}}", name, timeout=60).stdout.strip() for name in containers}
+        {engine("inspect", "--format", "{{.Image}}", name, timeout=60).stdout.strip() for name in containers}
     )
     for image in images:
         history = engine("history", "--no-trunc", "--format", "{{.CreatedBy}}", image, timeout=60).stdout

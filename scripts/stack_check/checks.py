@@ -90,6 +90,6 @@ CHECKS = (
     Step("MLflow identities: viewer 403, worker allowed", check_identities),
     Step("worker on another network: smoke via the front door", check_remote_worker),
     Step("no secret in images, logs, MLflow or Prefect", check_no_secrets),
-    Step("processes unprivileged, ports on 127.0.0.1", check_privileges),
+    Step("unprivileged; only the proxy publishes, 127.0.0.1", check_privileges),
 )
 TEARDOWN = Step("teardown: nothing left behind", teardown)  # Last, whatever happened before.
