@@ -4,7 +4,8 @@
 The admin is MLflow's own (made on the first start from MLFLOW_AUTH_ADMIN_PASSWORD); this adds the workers'
 service account and a read-only viewer, each holding a role over every experiment and registered model,
 and resets their passwords to the configured ones (so rotating one is: edit docker/.env, restart).
-Only the auth REST API, as the admin; stdlib only (the server image has no project code). Prints names only.
+Only the auth REST API, as the admin; stdlib only (the server image has no project code); scripts/ui_check/
+runs it too. Prints names only.
 """
 
 from __future__ import annotations

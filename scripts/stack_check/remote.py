@@ -56,10 +56,13 @@ def start_remote_worker(context: Context) -> str:
     address = stack.engine(
         "inspect", "--format", f'{{{{(index .NetworkSettings.Networks "{network}").IPAddress}}}}', proxy, timeout=60
     ).stdout.strip()
-    names = ("PREFECT_AUTH_STRING", "MLFLOW_WORKER_USERNAME", "MLFLOW_WORKER_PASSWORD", "PREFECT_HOST_PORT",
-             "MLFLOW_HOST_PORT", "CIFAR_DATA_DIR", "CIFAR_IMAGE_TAG", "CIFAR_PYTHON_IMAGE")  # fmt: skip
+    names = ("PREFECT_AUTH_STRING", "MLFLOW_WORKER_USERNAME", "MLFLOW_WORKER_PASSWORD", "CIFAR_DATA_DIR",
+             "CIFAR_IMAGE_TAG", "CIFAR_PYTHON_IMAGE")  # fmt: skip
     variables = {name: stack.variables[name] for name in names if name in stack.variables}
     variables.update(CIFAR_FRONT_DOOR=REMOTE_NAME, CIFAR_CA_BUNDLE=str(stack.ca_file))
+    # On this network the worker meets the proxy container itself, on its own ports (another machine meets
+    # the ports the stack's host publishes).
+    variables.update(PREFECT_HOST_PORT="4200", MLFLOW_HOST_PORT="5000")
     env_file = scratch / "remote.env"
     write_env_file(env_file, variables)
     # The other machine's network: the remote project's default network is the internal one made above.
