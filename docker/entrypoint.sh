@@ -14,7 +14,8 @@ set -euo pipefail
 
 # CIFAR_CA_FILE: a CA certificate to trust besides the system's, e.g. the stack's local CA for a worker that
 # reaches the servers through the front door (docker/worker-remote.yaml). Python's ssl and httpx (Prefect)
-# read SSL_CERT_FILE, requests (MLflow) REQUESTS_CA_BUNDLE: both get the system bundle plus this one.
+# read SSL_CERT_FILE, requests (MLflow) REQUESTS_CA_BUNDLE: both get the system bundle plus this one
+# (docker/worker-remote.yaml names the same file for the commands run with `exec`).
 if [[ -n ${CIFAR_CA_FILE:-} ]]; then
     bundle=$HOME/ca-bundle.crt
     cat /etc/ssl/certs/ca-certificates.crt "$CIFAR_CA_FILE" > "$bundle"
