@@ -101,10 +101,12 @@ def check_remote_worker(context: Context, row: Row) -> None:
     opened = [target for target, answer in reach.items() if answer == "open" and not target.startswith(REMOTE_NAME)]
     if opened or reach.get(f"{REMOTE_NAME}:4200") != "open":
         raise StepError(f"the remote worker's connections: {reach}")
-    # The same preset on the same archive may score a hair lower on another machine: the gate tolerates
-    # any loss here, since the point is that its move reaches the shared registry through the front door.
-    config = {"preset": "smoke", "data": archive_parameters(context.settings.archive)}
-    parameters = {"config": {**config, "export": {"min_improvement": -1.0}}}
+    # Two 2-epoch smoke models differ by points, per class by tens of points (training is not bitwise
+    # repeatable): the gate is told to tolerate any loss here, since the point is that its move reaches the
+    # shared registry through the front door, not the comparison (tests/test_comparison.py has that).
+    tolerant = {"min_improvement": -1.0, "max_class_drop": 1.0, "significance": 1e-12}
+    config = {"preset": "smoke", "data": archive_parameters(context.settings.archive), "export": tolerant}
+    parameters = {"config": config}
     argv = ["prefect", "deployment", "run", "cifar/smoke", "--params", json.dumps(parameters), "--watch",
             "--watch-timeout", "1500"]  # fmt: skip
     result = stack.engine("exec", container, *argv, check=False, timeout=1620)
@@ -126,7 +128,8 @@ def check_remote_worker(context: Context, row: Row) -> None:
     row.detail = (
         f"docker/worker-remote.yaml on internal network {remote_network(stack)} (proxy as {REMOTE_NAME!r}): flow "
         f"run {run['name']} COMPLETED in {time.monotonic() - started:.0f} s, registry v{version} champion by the "
-        f"gate, {len(artifacts)} artifact entries via the artifact proxy; postgres, prefect-server, mlflow by "
+        f"gate (told to tolerate any loss), {len(artifacts)} artifact entries via the artifact proxy; postgres, "
+        "prefect-server, mlflow by "
         f"name and address: {', '.join(refused)}"
     )
 
