@@ -19,7 +19,8 @@ MODEL ?= models:/cifar10@champion
 # Framework start-up lines and offline telemetry stay out of the logs; CIFAR_VERBOSE=1 lets them through.
 QUIET := $(if $(filter 1,$(CIFAR_VERBOSE)),,TF_CPP_MIN_LOG_LEVEL=2 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false)
 
-.PHONY: setup run test fuzz lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check stack-check backup restore
+.PHONY: setup run test fuzz lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check stack-check \
+	stack-env stack-ca backup restore
 
 setup: $(VENV)/.installed
 
@@ -120,6 +121,18 @@ backup: setup
 restore: setup
 	@test -n "$(BACKUP)" || { echo "error: name the backup: make restore BACKUP=backups/<UTC time>" >&2; exit 2; }
 	$(PY) -m scripts.backup $(BACKUP_OPTIONS) restore $(BACKUP) $(if $(filter 1,$(FORCE)),--force)
+
+# docker/.env for docker/compose.yaml: docker/env.example's settings, every missing password generated and
+# printed once (docs/PRODUCTION.md "Sign-in"). Run again after an upgrade adds a secret: it fills in only those.
+stack-env:
+	$(PYTHON) -m scripts.stack_env
+
+# The running stack's CA certificate (its front door's local CA) into docker/ca.crt, for clients and the
+# workers of other machines (docker/worker-remote.yaml). COMPOSE=podman-compose with Podman.
+COMPOSE ?= docker compose
+stack-ca:
+	$(COMPOSE) -f docker/compose.yaml exec -T proxy cat /certs/ca.crt > docker/ca.crt
+	@echo "docker/ca.crt: the front door's CA; clients trust it (SSL_CERT_FILE, REQUESTS_CA_BUNDLE, curl --cacert)"
 
 clean:
 	rm -rf $(VENV) workdir .pytest_cache

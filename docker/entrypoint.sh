@@ -8,8 +8,19 @@
 #                      $CIFAR_WORKER_LIMIT] ARGS...`
 #   anything else      run as given: `python flows/pipeline.py ...`, `prefect ...`, `mlflow ...`, `bash`
 #
-# Needs PREFECT_API_URL (and MLFLOW_TRACKING_URI for a tracking server); docker/compose.yaml sets both.
+# Needs PREFECT_API_URL and PREFECT_API_AUTH_STRING (and MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME and
+# MLFLOW_TRACKING_PASSWORD for a tracking server); docker/compose.yaml sets them all.
 set -euo pipefail
+
+# CIFAR_CA_FILE: a CA certificate to trust besides the system's, e.g. the stack's local CA for a worker that
+# reaches the servers through the front door (docker/worker-remote.yaml). Python's ssl and httpx (Prefect)
+# read SSL_CERT_FILE, requests (MLflow) REQUESTS_CA_BUNDLE: both get the system bundle plus this one
+# (docker/worker-remote.yaml names the same file for the commands run with `exec`).
+if [[ -n ${CIFAR_CA_FILE:-} ]]; then
+    bundle=$HOME/ca-bundle.crt
+    cat /etc/ssl/certs/ca-certificates.crt "$CIFAR_CA_FILE" > "$bundle"
+    export SSL_CERT_FILE=$bundle REQUESTS_CA_BUNDLE=$bundle
+fi
 
 pool=${CIFAR_WORK_POOL:-cifar-process}
 zombie_automation="cifar: crash flow runs whose heartbeats stopped"

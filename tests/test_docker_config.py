@@ -22,7 +22,16 @@ import pytest
 import yaml
 
 from harness import REPO_ROOT
-from harness.compose import COMPOSE_FILE, DOCKER_DIR, ENV_EXAMPLE_PATH, interpolate_tree, read_env_file, variables_used
+from harness.compose import (
+    COMPOSE_FILE,
+    DOCKER_DIR,
+    ENV_EXAMPLE_PATH,
+    SECRET_VARIABLES,
+    generate_secrets,
+    interpolate_tree,
+    read_env_file,
+    variables_used,
+)
 
 # Variables the official postgres image reads (https://hub.docker.com/_/postgres, "Environment Variables").
 POSTGRES_IMAGE_VARIABLES = {
@@ -41,10 +50,11 @@ INITDB_DIR = "/docker-entrypoint-initdb.d"
 
 
 def load_compose(variables: dict[str, str] | None = None) -> dict[str, Any]:
-    """docker/compose.yaml interpolated with `variables` (default: docker/env.example with a password)."""
+    """docker/compose.yaml interpolated with `variables` (default: docker/env.example, its secrets generated as
+    `make stack-env` generates them)."""
     if variables is None:
         variables = read_env_file(ENV_EXAMPLE_PATH)
-        variables["POSTGRES_PASSWORD"] = "example-password"
+        variables.update(generate_secrets(variables))
     return interpolate_tree(yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8")), variables)
 
 
@@ -223,6 +233,13 @@ def mlflow_server_options() -> dict[str, str]:
     return {param.envvar: param.opts[0] for param in mlflow.cli.server.params if param.envvar}
 
 
+def mlflow_environment_variables() -> set[str]:
+    """The environment variables MLflow itself reads (mlflow.environment_variables)."""
+    import mlflow.environment_variables as variables
+
+    return {value.name for value in vars(variables).values() if hasattr(value, "name") and hasattr(value, "get")}
+
+
 def console_scripts() -> set[str]:
     return {entry.name for entry in importlib.metadata.entry_points(group="console_scripts")}
 
@@ -274,8 +291,9 @@ def test_compose_needs_a_password_and_documents_every_variable():
     used = variables_used(text)
     documented = read_env_file(ENV_EXAMPLE_PATH)
     assert set(used) <= set(documented), f"undocumented in docker/env.example: {set(used) - set(documented)}"
-    assert used["POSTGRES_PASSWORD"] == ":?", "POSTGRES_PASSWORD must be required (${POSTGRES_PASSWORD:?...})"
-    assert documented["POSTGRES_PASSWORD"] == "", "env.example must not ship a password"
+    for secret in SECRET_VARIABLES:  # Each required (${NAME:?...}) and shipped empty, to be generated.
+        assert used[secret] == ":?", f"{secret} must be required (${{{secret}:?...}})"
+        assert documented[secret] == "", f"env.example must not ship {secret}"
     with pytest.raises(ValueError, match="POSTGRES_PASSWORD"):
         load_compose(documented)  # Without docker/.env's password, compose refuses to start.
     for name, service in yaml.safe_load(text)["services"].items():
@@ -291,13 +309,14 @@ def test_compose_needs_a_password_and_documents_every_variable():
 ALL_INTERFACES = ".".join(["0"] * 4)
 
 
-def test_published_ports_bind_to_loopback_only(compose):
+def test_only_the_proxy_publishes_ports_on_loopback_by_default(compose):
     published = 0
     for name, service in compose["services"].items():
         for port in ports_of(service):
             published += 1
+            assert name == "proxy", f"{name} publishes {port.target}: only the front door may"
             assert port.host_ip == "127.0.0.1", f"{name} publishes {port.target} on {port.host_ip or 'all interfaces'}"
-    assert published >= 2  # Both UIs.
+    assert published == 3  # Prefect, MLflow, the served model.
     # The all-interfaces address is for in-container binds only: nothing outside docker/ binds every interface.
     for folder in ("cifar", "tasks", "flows", "harness", "scripts", "bench"):
         for path in (REPO_ROOT / folder).rglob("*"):
@@ -340,8 +359,12 @@ def test_volumes_are_declared_and_bind_mounts_exist(compose):
     assert used == declared, f"declared but unused volumes: {declared - used}"
 
 
+# Every Dockerfile of docker/: the pipeline's images and the proxy's.
+DOCKERFILES = sorted([*DOCKER_DIR.glob("Dockerfile*"), DOCKER_DIR / "proxy" / "Dockerfile"])
+
+
 def test_copy_sources_exist_and_are_in_the_build_context():
-    for dockerfile in sorted(DOCKER_DIR.glob("Dockerfile*")):
+    for dockerfile in DOCKERFILES:
         copies = list(copy_instructions(parse_dockerfile(dockerfile)))
         assert copies, dockerfile
         for sources, _ in copies:
@@ -372,7 +395,7 @@ def test_dockerignore_keeps_secrets_and_local_state_out():
 
 
 def test_images_install_pinned_dependencies_before_the_code_as_a_non_root_user():
-    for dockerfile in sorted(DOCKER_DIR.glob("Dockerfile*")):
+    for dockerfile in sorted(DOCKER_DIR.glob("Dockerfile*")):  # The pipeline's images (pip; not the proxy).
         stages = parse_dockerfile(dockerfile)
         final = stage_lineage(stages, None)
         users = [value for stage in final for value in stage.all("USER")]
@@ -402,8 +425,9 @@ def test_images_install_pinned_dependencies_before_the_code_as_a_non_root_user()
 
 def test_image_commands_exist_in_the_image(compose):
     scripts = console_scripts()
-    for dockerfile in sorted(DOCKER_DIR.glob("Dockerfile*")):
+    for dockerfile in DOCKERFILES:
         stages = parse_dockerfile(dockerfile)
+        apt_installed = " ".join(value for stage in stages for value in stage.all("RUN") if "apt-get install" in value)
         copied = {destination: sources for sources, destination in copy_instructions(stages)}
         for stage in stages:
             lineage = stage_lineage(stages, stage.name) if stage.name else stage_lineage(stages, None)
@@ -419,10 +443,12 @@ def test_image_commands_exist_in_the_image(compose):
                 ]
                 assert matches and all((REPO_ROOT / source).is_file() for source in matches[0]), program
             else:
-                assert program in scripts | {"python"}, f"{dockerfile.name}: {program} is not installed"
+                installed = scripts | {"python"} | set(apt_installed.split())
+                assert program in installed, f"{dockerfile.name}: {program} is not installed"
     for name, service, _, _, lineage in built_services(compose):
-        command = command_of(service)
+        command = command_of(service) or effective(lineage, "CMD")
         entrypoint = effective(lineage, "ENTRYPOINT")
+        copied = {destination.rsplit("/", 1)[-1] for _, destination in copy_instructions(lineage)}
         if entrypoint and entrypoint[0] == "cifar-entrypoint":
             script = (DOCKER_DIR / "entrypoint.sh").read_text(encoding="utf-8")
             # `worker` is the entry point's own command; anything else it runs as given (`exec "$@"`).
@@ -430,9 +456,11 @@ def test_image_commands_exist_in_the_image(compose):
             if command == ["worker"]:
                 assert "worker" in script, name
             else:
-                assert command and command[0] in scripts, f"{name}: {command} is not an installed program"
+                assert command and command[0] in scripts | copied, f"{name}: {command} is not an installed program"
+        elif name == "proxy":  # Its entry point (certificates) then Caddy, from Debian's packages.
+            assert entrypoint == ["proxy-entrypoint"] and command[0] == "caddy", name
         else:
-            assert command and command[0] in scripts, f"{name}: {command} is not an installed program"
+            assert command and command[0] in scripts | copied, f"{name}: {command} is not an installed program"
 
 
 def test_exposed_ports_match_compose_and_server_settings(compose):
@@ -449,10 +477,12 @@ def test_exposed_ports_match_compose_and_server_settings(compose):
 def test_environment_names_are_read_by_something(compose):
     prefect_names = prefect_setting_names()
     mlflow_options = mlflow_server_options()
-    code = repository_text("cifar/**/*.py", "tasks/**/*.py", "flows/**/*.py", "docker/entrypoint.sh")
+    mlflow_variables = mlflow_environment_variables()
+    code = repository_text(
+        "cifar/**/*.py", "tasks/**/*.py", "flows/**/*.py", "docker/entrypoint.sh", "docker/mlflow/*", "docker/proxy/*"
+    )
     for name, service in compose["services"].items():
         environment = environment_of(service)
-        command = command_of(service)
         init_scripts = "\n".join(
             (DOCKER_DIR / volume.split(":")[0]).read_text(encoding="utf-8")
             for volume in service.get("volumes", [])
@@ -461,8 +491,12 @@ def test_environment_names_are_read_by_something(compose):
         for variable in environment:
             if variable.startswith("PREFECT_"):
                 assert variable in prefect_names, f"{name}: {variable} is not a Prefect setting"
-            elif variable.startswith("MLFLOW_") and command[:2] == ["mlflow", "server"]:
-                assert variable in mlflow_options, f"{name}: `mlflow server` does not read {variable}"
+            elif variable.startswith("MLFLOW_") and name == "mlflow":  # `mlflow server`, or its start script.
+                assert (
+                    variable in mlflow_options or variable in mlflow_variables or re.search(rf"\b{variable}\b", code)
+                ), f"{name}: neither `mlflow server` nor docker/mlflow/ reads {variable}"
+            elif variable.startswith("MLFLOW_"):
+                assert variable in mlflow_variables, f"{name}: MLflow does not read {variable}"
             elif variable.startswith("POSTGRES_"):
                 assert variable in POSTGRES_IMAGE_VARIABLES, f"{name}: the postgres image does not read {variable}"
             else:
@@ -527,6 +561,10 @@ def test_build_args_are_declared_and_bases_can_be_replaced(compose):
         text = dockerfile.read_text(encoding="utf-8")
         declared = set(re.findall(r"^ARG\s+([A-Za-z_][A-Za-z0-9_]*)", text, flags=re.MULTILINE))
         assert set(service["build"].get("args") or {}) <= declared, f"{name}: undeclared build args"
+        if name == "proxy":
+            assert stages[0].parent == "${DEBIAN_IMAGE}", "the proxy's base must be the DEBIAN_IMAGE argument"
+            assert "ARG DEBIAN_IMAGE=debian:bookworm-slim" in text
+            continue
         assert stages[0].parent == "${PYTHON_IMAGE}", f"{dockerfile.name}: the base must be the PYTHON_IMAGE argument"
         assert "ARG PYTHON_IMAGE=python:${PYTHON_VERSION}-slim-bookworm" in text
     raw = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))["services"]
@@ -534,6 +572,7 @@ def test_build_args_are_declared_and_bases_can_be_replaced(compose):
     documented = read_env_file(ENV_EXAMPLE_PATH)
     assert documented["CIFAR_PYTHON_IMAGE"] == "python:3.11-slim-bookworm"
     assert documented["CIFAR_POSTGRES_IMAGE"] == "postgres:15-bookworm"
+    assert documented["CIFAR_DEBIAN_IMAGE"] == "debian:bookworm-slim"
 
 
 def test_pip_trusts_a_ca_bundle_only_through_a_build_secret():
@@ -592,3 +631,29 @@ def test_postgres_standin_keeps_the_official_image_contract(compose):
     assert "setpriv --reuid=postgres" in entrypoint  # The server never runs as root.
     check = " ".join(service["healthcheck"]["test"])
     assert check.split()[1] == "pg_isready"
+
+
+def test_stack_env_generates_each_missing_secret_once_and_keeps_the_rest(tmp_path):
+    """`make stack-env`: docker/.env from env.example with every secret generated (owner-only); run again, it
+    keeps what is there and fills in only a secret that is missing or empty."""
+    from harness.compose import fill_env_file
+
+    env_file = tmp_path / ".env"
+    generated = fill_env_file(env_file)
+    values = read_env_file(env_file)
+    assert set(generated) == set(SECRET_VARIABLES) and all(values[name] == generated[name] for name in generated)
+    assert env_file.stat().st_mode & 0o777 == 0o600
+    assert generated["PREFECT_AUTH_STRING"].startswith("cifar:") and len(generated["MLFLOW_ADMIN_PASSWORD"]) >= 12
+    assert len(set(generated.values())) == len(generated)  # Each its own.
+    assert values["MLFLOW_VIEWER_USERNAME"] == "viewer"  # env.example's other settings and comments stay.
+    assert "# Secrets" in env_file.read_text(encoding="utf-8")
+
+    env_file.write_text(
+        env_file.read_text(encoding="utf-8").replace(f"SERVE_PASSWORD={generated['SERVE_PASSWORD']}", "SERVE_PASSWORD=")
+    )
+    again = fill_env_file(env_file)
+    assert list(again) == ["SERVE_PASSWORD"]
+    assert {name: value for name, value in read_env_file(env_file).items() if name != "SERVE_PASSWORD"} == {
+        name: value for name, value in values.items() if name != "SERVE_PASSWORD"
+    }
+    assert fill_env_file(env_file) == {}

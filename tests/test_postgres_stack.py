@@ -10,13 +10,14 @@ breaks this test, and the compose file cannot drift away from what is tested.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from test_docker_config import (
 
 from cifar.summary import PipelineSummary
 from harness import REPO_ROOT
-from harness.compose import DOCKER_DIR, ENV_EXAMPLE_PATH, read_env_file
+from harness.compose import DOCKER_DIR, ENV_EXAMPLE_PATH, generate_secrets, read_env_file
 from harness.ports import HOST, free_port
 from harness.postgres import install_postgres, postgres_cluster
 from harness.prefect import prefect_env
@@ -208,8 +209,8 @@ def stack(tmp_path_factory) -> Stack:
         "worker:8080": free_port(),
     }
     variables = read_env_file(ENV_EXAMPLE_PATH)
+    variables.update(generate_secrets(variables))  # As `make stack-env` does.
     variables.update(
-        POSTGRES_PASSWORD=secrets.token_urlsafe(18),
         PREFECT_HOST_PORT=str(ports["prefect-server:4200"]),
         MLFLOW_HOST_PORT=str(ports["mlflow:5000"]),
         MLFLOW_WORKERS="1",  # Two shared CPU cores.
@@ -277,7 +278,9 @@ def prefect_server(stack: Stack, postgres: Postgres) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def mlflow_server(stack: Stack, postgres: Postgres) -> Iterator[str]:
-    """The MLflow tracking server as compose runs it; yields its URL (the tracking URI)."""
+    """The MLflow tracking server as compose runs it (with its basic-auth app and the service accounts that
+    docker/mlflow/ sets up); yields its URL (the tracking URI)."""
+    stack.install_image_files("mlflow")
     handle = stack.start("mlflow", command_of(stack.services["mlflow"]))
     yield f"http://{HOST}:{stack.ports['mlflow:5000']}"
     handle.stop()
@@ -288,17 +291,33 @@ def _run(argv: list[str], environment: dict[str, str], timeout: float) -> None:
     assert result.returncode == 0, f"{' '.join(argv)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
 
 
-def _get(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(url, timeout=30) as response:
-        return response.status, response.read().decode("utf-8", errors="replace")
+def _get(url: str, auth: tuple[str, str] | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url)
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(":".join(auth).encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode("utf-8", errors="replace")
+    except urllib.error.HTTPError as error:
+        return error.code, ""
+
+
+def worker_signs_in(stack: Stack, monkeypatch) -> dict[str, str]:
+    """This process's MLflow client as the workers' service account; the Prefect auth string, for clients."""
+    worker = environment_of(stack.services["worker"])
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(name, worker[name])
+    return {"PREFECT_API_AUTH_STRING": worker["PREFECT_API_AUTH_STRING"]}
 
 
 # --- Tests --------------------------------------------------------------------------------------------
 
 
-def test_prefect_server_keeps_flow_runs_in_postgresql(stack, postgres, prefect_server, tmp_path):
+def test_prefect_server_keeps_flow_runs_in_postgresql(stack, postgres, prefect_server, tmp_path, monkeypatch):
     status, page = _get(prefect_server.removesuffix("/api") + "/")
     assert status == 200 and "<html" in page.lower()  # The UI is served (its bundle lives under HOME).
+    assert _get(prefect_server + "/deployments/name/cifar/smoke")[0] == 401  # No data without the auth string.
+    auth = worker_signs_in(stack, monkeypatch)
     probe = (
         "from prefect import flow\n"
         "@flow(name='postgres-probe')\n"
@@ -309,7 +328,7 @@ def test_prefect_server_keeps_flow_runs_in_postgresql(stack, postgres, prefect_s
     )
     result = subprocess.run(
         [sys.executable, "-c", probe],
-        env=prefect_env(tmp_path / "client", prefect_server),
+        env=prefect_env(tmp_path / "client", prefect_server, **auth),
         capture_output=True,
         text=True,
         timeout=300,
@@ -327,12 +346,15 @@ def test_prefect_server_keeps_flow_runs_in_postgresql(stack, postgres, prefect_s
 
 
 def test_mlflow_server_keeps_runs_and_models_in_postgresql_and_artifacts_on_the_volume(
-    stack, postgres, mlflow_server, tmp_path
+    stack, postgres, mlflow_server, tmp_path, monkeypatch
 ):
     import mlflow
 
-    status, page = _get(mlflow_server + "/")
+    assert _get(mlflow_server + "/")[0] == 401  # Nothing without signing in, the UI included.
+    viewer = environment_of(stack.services["mlflow"])
+    status, page = _get(mlflow_server + "/", (viewer["MLFLOW_VIEWER_USERNAME"], viewer["MLFLOW_VIEWER_PASSWORD"]))
     assert status == 200 and "<html" in page.lower()
+    worker_signs_in(stack, monkeypatch)
     client = mlflow.MlflowClient(tracking_uri=mlflow_server)
     experiment_id = client.create_experiment("postgres-probe")
     run = client.create_run(experiment_id)
@@ -364,7 +386,7 @@ def test_mlflow_server_keeps_runs_and_models_in_postgresql_and_artifacts_on_the_
 
 
 def test_smoke_deployment_runs_through_the_compose_worker_into_postgresql(
-    stack, postgres, prefect_server, mlflow_server, tmp_path
+    stack, postgres, prefect_server, mlflow_server, tmp_path, monkeypatch
 ):
     """The worker service's entry point deploys prefect.yaml and runs `cifar/smoke` on a generated archive."""
     import mlflow
@@ -393,7 +415,7 @@ def test_smoke_deployment_runs_through_the_compose_worker_into_postgresql(
                 "evaluate": {"batch_size": 100, "misclassified_examples": 4},
             }
         }
-        client = prefect_env(tmp_path / "client", prefect_server)
+        client = prefect_env(tmp_path / "client", prefect_server, **worker_signs_in(stack, monkeypatch))
         result = subprocess.run(
             [
                 str(BIN_DIR / "prefect"),

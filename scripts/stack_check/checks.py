@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.compose import write_env_file
+from harness.compose import generate_secrets, write_env_file
 from harness.ports import free_port
+from scripts.stack_check.access import check_bare_ports, check_identities, check_no_secrets, check_sign_in
 from scripts.stack_check.context import Context
 from scripts.stack_check.drills import check_kill, check_resume, check_search
 from scripts.stack_check.engine import Engine, install_tools
@@ -16,6 +16,7 @@ from scripts.stack_check.images import build_images, choose_bases
 from scripts.stack_check.outages import check_outages
 from scripts.stack_check.pipeline import check_mlflow, check_prefect_database, check_restart, check_smoke_run
 from scripts.stack_check.privileges import check_privileges
+from scripts.stack_check.remote import REMOTE_NAME, check_remote_worker
 from scripts.stack_check.report import Row
 from scripts.stack_check.restore_drill import check_restore
 from scripts.stack_check.serving import check_serving
@@ -39,12 +40,15 @@ def check_bases(context: Context, row: Row) -> None:
 
 
 def check_images(context: Context, row: Row) -> None:
-    """The compose project's variables (a generated password, free 127.0.0.1 ports, the archive's directory as
+    """The compose project's variables (generated passwords, free 127.0.0.1 ports, the archive's directory as
     the workers' read-only /data, the base images), then every image built with them."""
-    password = secrets.token_urlsafe(24)
-    context.shell.hide(password)
+    generated = generate_secrets({})
+    for secret in generated.values():
+        context.shell.hide(secret)
     context.variables = {
-        "POSTGRES_PASSWORD": password,
+        **generated,
+        # The name the other machine's worker (scripts/stack_check/remote.py) knows the front door by.
+        "CIFAR_PROXY_NAMES": REMOTE_NAME,
         "PREFECT_HOST_PORT": str(free_port()),
         "MLFLOW_HOST_PORT": str(free_port()),
         "SERVE_HOST_PORT": str(free_port()),
@@ -64,8 +68,9 @@ def check_stack_up(context: Context, row: Row) -> None:
     seconds = context.stack.up()
     context.stack.pause_nightly()
     row.detail = (
-        f"project {settings.project}: postgres, prefect-server, mlflow, worker healthy in {seconds:.0f} s "
-        f"(Prefect 127.0.0.1:{variables['PREFECT_HOST_PORT']}, MLflow 127.0.0.1:{variables['MLFLOW_HOST_PORT']})"
+        f"project {settings.project}: postgres, prefect-server, mlflow, proxy, worker healthy in {seconds:.0f} s "
+        f"(front door: Prefect https://127.0.0.1:{variables['PREFECT_HOST_PORT']}, "
+        f"MLflow https://127.0.0.1:{variables['MLFLOW_HOST_PORT']}, the local CA's certificate verified)"
     )
 
 
@@ -74,6 +79,8 @@ CHECKS = (
     Step("base images", check_bases),
     Step("images built", check_images),
     Step("stack up, every service healthy", check_stack_up),
+    Step("no or wrong credentials: 401 on every door", check_sign_in),
+    Step("bare curl: TLS error; plain HTTP refused", check_bare_ports),
     Step("cifar/smoke on the archive, through the worker", check_smoke_run),
     Step("flow run in Prefect's PostgreSQL", check_prefect_database),
     Step("MLflow run, metrics, champion, artifacts", check_mlflow),
@@ -84,6 +91,9 @@ CHECKS = (
     Step("worker killed mid-training: CRASHED", check_kill),
     Step("re-run resumes from the last checkpoint", check_resume),
     Step("2 workers: 4-trial search, parallel 2", check_search),
-    Step("processes unprivileged, ports on 127.0.0.1", check_privileges),
+    Step("MLflow identities: viewer 403, worker allowed", check_identities),
+    Step("worker on another network: smoke via the front door", check_remote_worker),
+    Step("no secret in images, logs, MLflow or Prefect", check_no_secrets),
+    Step("unprivileged; only the proxy publishes, 127.0.0.1", check_privileges),
 )
 TEARDOWN = Step("teardown: nothing left behind", teardown)  # Last, whatever happened before.

@@ -16,15 +16,17 @@ from scripts.stack_check.report import ImageRow, Report, Row
 from scripts.stack_check.shell import StepError, last_line
 
 STANDIN_SCRIPT = REPO_ROOT / "scripts" / "standin_images.sh"
+STANDIN_DEBIAN = "localhost/cifar-standin/debian:bookworm"
 OFFICIAL_BASES = {
     "CIFAR_PYTHON_IMAGE": "docker.io/library/python:3.11-slim-bookworm",
     "CIFAR_POSTGRES_IMAGE": "docker.io/library/postgres:15-bookworm",
+    "CIFAR_DEBIAN_IMAGE": "docker.io/library/debian:bookworm-slim",  # The proxy's base.
 }
 STANDIN_BASES = {
     "CIFAR_PYTHON_IMAGE": "localhost/cifar-standin/python:3.11-slim-bookworm",
     "CIFAR_POSTGRES_IMAGE": "localhost/cifar-standin/postgres:15-bookworm",
+    "CIFAR_DEBIAN_IMAGE": STANDIN_DEBIAN,
 }
-STANDIN_DEBIAN = "localhost/cifar-standin/debian:bookworm"
 
 
 def human_size(size: float) -> str:
@@ -49,8 +51,8 @@ def official_bases_pulled(engine: Engine, mode: str) -> bool:
 
 
 def choose_bases(engine: Engine, mode: str, report: Report, row: Row) -> dict[str, str]:
-    """The base images for CIFAR_PYTHON_IMAGE / CIFAR_POSTGRES_IMAGE: official if they can be had, else
-    stand-ins built by scripts/standin_images.sh under the same contract (BASES=official|standin|auto)."""
+    """The base images (OFFICIAL_BASES' variables): official if they can be had, else stand-ins built by
+    scripts/standin_images.sh under the same contract (BASES=official|standin|auto)."""
     if mode not in ("auto", "official", "standin"):
         raise StepError(f"BASES must be auto, official or standin, not {mode!r}")
     if mode != "standin":

@@ -21,7 +21,7 @@ SERVED_IMAGES = 20  # The fixed batch of test images the champion answers before
 
 
 def mlflow_post(stack: Stack, path: str, body: dict[str, Any]) -> Any:
-    return stack.http("POST", f"{stack.mlflow_url}/api/2.0/mlflow/{path}", body)
+    return stack.http("POST", f"{stack.mlflow_url}/api/2.0/mlflow/{path}", body, auth=stack.credentials("mlflow-admin"))
 
 
 def mlflow_state(stack: Stack) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def prefect_state(stack: Stack) -> dict[str, Any]:
 
 
 def served_answers(stack: Stack, images: list) -> Any:
-    return stack.http("POST", f"{stack.serve_url}/invocations", {"inputs": images})
+    return stack.http("POST", f"{stack.serve_url}/invocations", {"inputs": images}, auth=stack.credentials("serve"))
 
 
 def differences(before: Any, after: Any, path: str = "") -> list[str]:

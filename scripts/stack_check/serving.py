@@ -51,7 +51,8 @@ def check_serving(context: Context, row: Row) -> None:
         raise StepError(f"the SavedModel gets only {len(correct)} of the first 100 test images right")
     chosen = correct[:3]
     stack.wait_healthy(["serve"], 420)
-    served = stack.http("POST", f"{stack.serve_url}/invocations", {"inputs": images[chosen].tolist()})
+    body = {"inputs": images[chosen].tolist()}
+    served = stack.http("POST", f"{stack.serve_url}/invocations", body, auth=stack.credentials("serve"))
     predictions = served.get("predictions", served)
     for position, index in enumerate(chosen):
         served_id = int(predictions["class_ids"][position])
@@ -75,7 +76,8 @@ def check_serving(context: Context, row: Row) -> None:
         if gap > 1e-4:
             raise StepError(f"test image #{index}: probabilities differ by {gap}")
     row.detail = (
-        f"`mlflow models serve` of models:/{MODEL_NAME}@champion in the runtime image (compose profile serve), "
+        f"`mlflow models serve` of models:/{MODEL_NAME}@champion in the runtime image (compose profile serve) "
+        "through the front door, "
         f"test images #{', #'.join(map(str, chosen))}: served = SavedModel {export_dir.rsplit('/', 1)[-1]} "
         f"= label ({time.monotonic() - started:.0f} s)"
     )

@@ -1,27 +1,32 @@
-"""One compose project of docker/compose.yaml: its containers, their health, and the servers' REST APIs."""
+"""One compose project of docker/compose.yaml: its containers, their health, and the servers' REST APIs through
+the front door (TLS verified against the stack's own CA, with the services' credentials)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import re
+import ssl
 import subprocess
 import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from harness import REPO_ROOT
 from harness.compose import COMPOSE_FILE, write_env_file
 from harness.digests import archive_sha256
 from harness.ports import HOST
-from harness.prefect import prefect_api
+from harness.prefect import BusyRetryingTransport
 from scripts.stack_check.engine import Engine
 from scripts.stack_check.shell import StepError, last_line, wait_until
 
 DATA_MOUNT = "/data"  # Where compose mounts CIFAR_DATA_DIR in the workers.
 WORKDIR = "/app/workdir"  # The `workdir` volume in the workers.
 ARTIFACTS = "/srv/mlartifacts"  # The `mlartifacts` volume in the MLflow server.
+CA_IN_PROXY = "/certs/ca.crt"  # The local CA's certificate, made by the proxy on its first start.
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
@@ -38,9 +43,23 @@ class Stack:
         self.project = project
         self.env_file = env_file
         self.variables = variables
-        self.prefect_url = f"http://{HOST}:{variables['PREFECT_HOST_PORT']}/api"
-        self.mlflow_url = f"http://{HOST}:{variables['MLFLOW_HOST_PORT']}"
-        self.serve_url = f"http://{HOST}:{variables['SERVE_HOST_PORT']}"
+        self.prefect_url = f"https://{HOST}:{variables['PREFECT_HOST_PORT']}/api"
+        self.mlflow_url = f"https://{HOST}:{variables['MLFLOW_HOST_PORT']}"
+        self.serve_url = f"https://{HOST}:{variables['SERVE_HOST_PORT']}"
+        self.ca_file = env_file.with_name("ca.crt")  # Copied out of the proxy once it is up.
+        self._client: httpx.Client | None = None
+
+    def credentials(self, service: str) -> tuple[str, str]:
+        """(user, password) of `service`: prefect, mlflow-admin, mlflow-worker, mlflow-viewer or serve."""
+        variables = self.variables
+        if service == "prefect":
+            user, _, password = variables["PREFECT_AUTH_STRING"].partition(":")
+            return user, password
+        if service == "serve":
+            return variables.get("SERVE_USERNAME") or "client", variables["SERVE_PASSWORD"]
+        role = service.removeprefix("mlflow-").upper()
+        defaults = {"ADMIN": "admin", "WORKER": "cifar-worker", "VIEWER": "viewer"}
+        return variables.get(f"MLFLOW_{role}_USERNAME") or defaults[role], variables[f"MLFLOW_{role}_PASSWORD"]
 
     def set_variable(self, name: str, value: str) -> None:
         """Changes one variable of the compose project's env file (the next `up` recreates what it changes)."""
@@ -53,8 +72,14 @@ class Stack:
             argv += ["--profile", profile]
         return self.engine.shell.run([*argv, *args], env=self.engine.env, timeout=timeout, check=check, cwd=REPO_ROOT)
 
-    def containers(self, service: str | None = None, all: bool = True) -> list[str]:
-        argv = ["ps", "--format", "{{.Names}}", "--filter", f"label=com.docker.compose.project={self.project}"]
+    @property
+    def remote_project(self) -> str:
+        """The compose project of the worker "on another machine" (scripts/stack_check/remote.py)."""
+        return f"{self.project}-remote"
+
+    def containers(self, service: str | None = None, all: bool = True, project: str | None = None) -> list[str]:
+        label = f"label=com.docker.compose.project={project or self.project}"
+        argv = ["ps", "--format", "{{.Names}}", "--filter", label]
         if all:
             argv.append("-a")
         if service:
@@ -89,6 +114,9 @@ class Stack:
         containers = [name for service in services for name in self.containers(service)]
         if not containers:
             raise StepError(f"no containers for {', '.join(services)}")
+        self.wait_healthy_containers(containers, timeout)
+
+    def wait_healthy_containers(self, containers: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         waiting = list(containers)
         while waiting:
@@ -110,9 +138,23 @@ class Stack:
         self.wait_healthy(["postgres"], 180)
         self.compose("up", "-d", "prefect-server", "mlflow")
         self.wait_healthy(["prefect-server", "mlflow"], 420)
-        self.compose("up", "-d", "worker")
+        self.compose("up", "-d", "proxy", "worker")
+        self.wait_healthy(["proxy"], 120)
+        self.trust_front_door()
         self.wait_healthy(["worker"], 600)
         return time.monotonic() - started
+
+    def trust_front_door(self) -> None:
+        """The proxy's CA certificate into `ca_file`, and a client that verifies the front door with it."""
+        self.ca_file.write_text(self.exec("proxy", "cat", CA_IN_PROXY, timeout=60).stdout, encoding="utf-8")
+        context = ssl.create_default_context(cafile=str(self.ca_file))
+        self._client = httpx.Client(transport=BusyRetryingTransport(verify=context), timeout=60)
+
+    @property
+    def client(self) -> httpx.Client:
+        if self._client is None:
+            self.trust_front_door()
+        return self._client
 
     def down(self, volumes: bool = False) -> None:
         args = ["down", "--timeout", "20"] + (["-v"] if volumes else [])
@@ -131,19 +173,20 @@ class Stack:
             if not deployment.get("paused"):
                 self.prefect("PATCH", f"/deployments/{deployment['id']}", {"paused": True})
 
-    # The servers' REST APIs, on their published 127.0.0.1 ports.
+    # The servers' REST APIs, through the front door's published 127.0.0.1 ports.
 
-    def http(self, method: str, url: str, body: Any = None) -> Any:
-        response = prefect_api.request(method, url, json=body)
+    def http(self, method: str, url: str, body: Any = None, *, auth: tuple[str, str] | None = None) -> Any:
+        response = self.client.request(method, url, json=body, auth=auth)
         if response.is_error:
             raise StepError(f"{method} {url}: HTTP {response.status_code} {response.content[:300]!r}")
         return response.json() if response.content else None
 
     def prefect(self, method: str, path: str, body: Any = None) -> Any:
-        return self.http(method, self.prefect_url + path, body)
+        return self.http(method, self.prefect_url + path, body, auth=self.credentials("prefect"))
 
-    def mlflow(self, path: str, **query: str) -> Any:
-        return self.http("GET", f"{self.mlflow_url}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}")
+    def mlflow(self, path: str, *, account: str = "mlflow-admin", **query: str) -> Any:
+        url = f"{self.mlflow_url}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}"
+        return self.http("GET", url, auth=self.credentials(account))
 
     def flow_run(self, flow_run_id: str) -> dict[str, Any]:
         return self.prefect("GET", f"/flow_runs/{flow_run_id}")

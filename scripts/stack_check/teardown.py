@@ -6,6 +6,7 @@ import contextlib
 
 from scripts.stack_check.context import Context
 from scripts.stack_check.engine import Engine
+from scripts.stack_check.remote import remove_remote_worker
 from scripts.stack_check.report import Row
 from scripts.stack_check.shell import StepError
 from scripts.stack_check.stack import Stack
@@ -32,6 +33,8 @@ def remove_project(engine: Engine, stack: Stack | None, project: str) -> dict[st
     """`down -v`, then whatever it missed (a failed start, a half-made container) one by one; what that was."""
     if stack is not None:
         with contextlib.suppress(StepError):
+            remove_remote_worker(stack)  # Its own compose project (scripts/stack_check/remote.py).
+        with contextlib.suppress(StepError):
             # podman-compose 1.6's `down` knows only the first container of a scaled service: the others
             # (worker 2) would keep the services they depend on, and their volumes, from being removed.
             for container in stack.containers() if engine.name == "podman" else []:
@@ -51,7 +54,7 @@ def teardown(context: Context, row: Row) -> None:
     """Everything removed; nothing may be left. The images are the next run's build cache."""
     engine, project = context.engine, context.settings.project
     left = remove_project(engine, context.stack, project)
-    remaining = leftovers(engine, project)
+    remaining = {**leftovers(engine, f"{project}-remote"), **leftovers(engine, project)}
     if remaining:
         raise StepError(f"still there: {remaining}")
     row.detail = f"no container, volume, network or pod of {project} left" + (

@@ -14,9 +14,11 @@ MAX_PNG_BYTES = 400_000
 
 
 class Browser:
-    """One page of headless Chromium at VIEWPORT, in the light theme; screenshots go into `out`."""
+    """One page of headless Chromium at VIEWPORT, in the light theme; screenshots go into `out`. `credentials`
+    ({"username", "password", "origin"}): what the browser answers a site's own sign-in prompt (HTTP basic
+    auth, which headless Chromium cannot show) with, for that origin only."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, credentials: dict[str, str] | None = None) -> None:
         from playwright.sync_api import sync_playwright
 
         self.out = out
@@ -24,11 +26,16 @@ class Browser:
         self._browser = self._playwright.chromium.launch(
             executable_path=CHROMIUM, args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"]
         )
-        self.context = self._browser.new_context(viewport=VIEWPORT, device_scale_factor=1, color_scheme="light")
+        self.context = self.new_context(credentials)
         self.context.set_default_timeout(30_000)
         self.page = self.context.new_page()
         self.console: list[str] = []
         self.page.on("console", lambda msg: msg.type == "error" and self.console.append(msg.text))
+
+    def new_context(self, credentials: dict[str, str] | None = None):
+        return self._browser.new_context(
+            viewport=VIEWPORT, device_scale_factor=1, color_scheme="light", http_credentials=credentials
+        )
 
     def close(self) -> None:
         try:

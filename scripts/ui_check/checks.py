@@ -24,6 +24,17 @@ class Check:
 
 CHECKS: tuple[Check, ...] = (
     Check(
+        "Prefect UI asks for the auth string, then opens the dashboard",
+        "prefect-sign-in",
+        expect=(r"(?m)^Login$", r"--- after signing in\n[\s\S]*Dashboard"),
+    ),
+    Check(
+        "MLflow refuses a browser without credentials (401) and shows the viewer the experiments",
+        "mlflow-sign-in",
+        expect=(r"--- without credentials\nstatus: 401", r"(?i)not authenticated", r"cifar10"),
+        forbid=(r"(?i)permission denied",),
+    ),
+    Check(
         "Prefect UI renders on its non-default port",
         "prefect-deployments",
         expect=(r"(?m)^smoke$", r"(?m)^sweep$", r"(?m)^nightly$"),
@@ -115,6 +126,9 @@ CHECKS: tuple[Check, ...] = (
 
 # Page key (pages.PAGES) -> screenshot file under --out; a page may save more (SCREENSHOTS_EXTRA).
 SCREENSHOTS = {
+    "prefect-sign-in": "prefect-sign-in.png",
+    "mlflow-sign-in": "mlflow-sign-in.png",
+    "mlflow-sign-in-refused": "mlflow-sign-in-refused.png",
     "prefect-deployments": "prefect-deployments.png",
     "prefect-custom-run-smoke": "prefect-custom-run-smoke-train.png",
     "prefect-custom-run-smoke-top": "prefect-custom-run-smoke.png",

@@ -86,8 +86,10 @@ def start_and_run(stack: Stack, args: argparse.Namespace, started: float) -> dic
     start_stack(stack)
     print(f"  stack up after {time.monotonic() - started:.0f}s; running cifar/smoke and cifar-sweep/sweep", flush=True)
     runs = run_pipelines(stack, args.archive, sha256)
-    saved = {"prefect_url": stack.prefect_url, "mlflow_url": stack.mlflow_url, "runs": runs}
-    (stack.tmp / "stack.json").write_text(json.dumps(saved, indent=1))
+    saved = {"prefect_url": stack.prefect_url, "mlflow_url": stack.mlflow_url, "runs": runs, "secrets": stack.secrets}
+    saved_path = stack.tmp / "stack.json"
+    saved_path.touch(mode=0o600)  # It holds the servers' generated passwords.
+    saved_path.write_text(json.dumps(saved, indent=1))
     print(f"  runs done after {time.monotonic() - started:.0f}s; visiting pages", flush=True)
     return runs
 
@@ -95,7 +97,7 @@ def start_and_run(stack: Stack, args: argparse.Namespace, started: float) -> dic
 def attach(stack: Stack) -> dict[str, dict]:
     """The servers and runs a --keep run left up, from its stack.json."""
     saved = json.loads((stack.tmp / "stack.json").read_text())
-    stack.prefect_url, stack.mlflow_url = saved["prefect_url"], saved["mlflow_url"]
+    stack.prefect_url, stack.mlflow_url, stack.secrets = saved["prefect_url"], saved["mlflow_url"], saved["secrets"]
     return saved["runs"]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from scripts.ui_check.browser import Browser, shrink_png
 from scripts.ui_check.checks import SCREENSHOTS, Shot
 from scripts.ui_check.runs import deployment
-from scripts.ui_check.stack import Stack, StackError, api
+from scripts.ui_check.stack import Stack, StackError
 
 SHARED_VIEW_TAG = "mlflow.sharedViewState."  # An experiment tag MLflow's UI loads with ?viewStateShareKey=<rest>.
 
@@ -49,6 +49,37 @@ FIELD_STATES_JS = """(names) => names.map((name) => {
 
 def prefect_ui(stack: Stack, path: str) -> str:
     return f"{stack.prefect_url}/v2{path}"  # V2 is what `/` opens in Prefect 3.8 (PREFECT_SERVER_UI_V2_ENABLED).
+
+
+def visit_prefect_sign_in(browser: Browser, stack: Stack, context: PageContext) -> Shot:
+    """The Prefect UI asks for the server's auth string; a person types it (masked) and lands on the dashboard."""
+    browser.goto(f"{stack.prefect_url}/", wait_for=r"(?m)^Login$")
+    browser.page.get_by_placeholder("admin:pass").fill(stack.secrets["PREFECT_AUTH_STRING"])
+    shot = browser.shoot("prefect-sign-in")
+    browser.page.get_by_role("button", name="Login").click()
+    browser.wait_text(r"Dashboard")
+    shot.text += f"\n--- after signing in\n{browser.text()}\nurl: {browser.page.url}"
+    return shot
+
+
+def visit_mlflow_sign_in(browser: Browser, stack: Stack, context: PageContext) -> Shot:
+    """MLflow asks through the browser's own basic-auth prompt (which headless Chromium does not draw): without
+    credentials a person sees the refusal; with the viewer's, the experiments."""
+    anonymous = browser.new_context()
+    try:
+        page = anonymous.new_page()
+        response = page.goto(f"{stack.mlflow_url}/", wait_until="domcontentloaded")
+        refused = browser.out / SCREENSHOTS["mlflow-sign-in-refused"]
+        page.screenshot(path=str(refused))
+        refusal = f"status: {response.status if response else '?'}\n{page.inner_text('body')}"
+    finally:
+        anonymous.close()
+    browser.goto(f"{stack.mlflow_url}/#/experiments", wait_for=r"cifar10")
+    close_mlflow_assistant(browser)
+    shot = browser.shoot("mlflow-sign-in")
+    shot.text += f"\n--- without credentials\n{refusal}"
+    shot.extra.append(refused)
+    return shot
 
 
 def visit_prefect_deployments(browser: Browser, stack: Stack, context: PageContext) -> Shot:
@@ -168,7 +199,7 @@ def visit_prefect_sweep_table(browser: Browser, stack: Stack, context: PageConte
 
 
 def mlflow_experiment(stack: Stack) -> dict:
-    found = api(
+    found = stack.call(
         "POST",
         f"{stack.mlflow_url}/api/2.0/mlflow/experiments/search",
         {"max_results": 100, "filter": "name = 'cifar10'"},
@@ -180,7 +211,7 @@ def mlflow_experiment(stack: Stack) -> dict:
 
 
 def mlflow_runs(stack: Stack, experiment_id: str) -> list[dict]:
-    found = api(
+    found = stack.call(
         "POST",
         f"{stack.mlflow_url}/api/2.0/mlflow/runs/search",
         {"experiment_ids": [experiment_id], "max_results": 100},
@@ -269,7 +300,7 @@ def visit_prefect_comparison(browser: Browser, stack: Stack, context: PageContex
     # one name, so the artifact is opened by its id, the one this flow run made.
     made_by = {"any_": [flow_run_id(context, "challenger")]}
     body = {"artifacts": {"key": {"any_": ["cifar-comparison"]}, "flow_run_id": made_by}}
-    [artifact] = api("POST", f"{stack.api}/artifacts/filter", body)  # type: ignore[misc]
+    [artifact] = stack.call("POST", f"{stack.api}/artifacts/filter", body)  # type: ignore[misc]
     browser.goto(prefect_ui(stack, f"/artifacts/artifact/{artifact['id']}?tab=Artifact"), wait_for=r"Challenger v2")
     browser.wait_text(r"McNemar")
     return browser.shoot("prefect-comparison", full_page=True)
@@ -283,9 +314,9 @@ def visit_mlflow_version_record(browser: Browser, stack: Stack, context: PageCon
 
 
 def visit_mlflow_model_card(browser: Browser, stack: Stack, context: PageContext) -> Shot:
-    version = api("GET", f"{stack.mlflow_url}/api/2.0/mlflow/model-versions/get?name=cifar10&version=2")
+    version = stack.call("GET", f"{stack.mlflow_url}/api/2.0/mlflow/model-versions/get?name=cifar10&version=2")
     run_id = version["model_version"]["run_id"]  # type: ignore[index]
-    run = api("GET", f"{stack.mlflow_url}/api/2.0/mlflow/runs/get?run_id={run_id}")
+    run = stack.call("GET", f"{stack.mlflow_url}/api/2.0/mlflow/runs/get?run_id={run_id}")
     experiment_id = run["run"]["info"]["experiment_id"]  # type: ignore[index]
     browser.goto(
         f"{stack.mlflow_url}/#/experiments/{experiment_id}/runs/{run_id}/artifacts/model_card/model_card.html",
@@ -300,6 +331,7 @@ def visit_mlflow_model_card(browser: Browser, stack: Stack, context: PageContext
 
 
 PAGES: dict[str, Visitor] = {
+    "prefect-sign-in": visit_prefect_sign_in,
     "prefect-deployments": visit_prefect_deployments,
     "prefect-custom-run-smoke": visit_prefect_custom_run,
     "prefect-nightly-schedule": visit_prefect_nightly,
@@ -307,6 +339,7 @@ PAGES: dict[str, Visitor] = {
     "prefect-flow-run-smoke-artifacts": visit_prefect_flow_run_artifacts,
     "prefect-smoke-report": visit_prefect_report,
     "prefect-sweep-table": visit_prefect_sweep_table,
+    "mlflow-sign-in": visit_mlflow_sign_in,
     "mlflow-experiment-landing": visit_mlflow_landing,
     "mlflow-runs-table": visit_mlflow_runs_table,
     "mlflow-run": visit_mlflow_run,
@@ -330,7 +363,8 @@ def visit_all(stack: Stack, out: Path, runs: dict[str, dict], dump: Path) -> dic
     context.smoke_mlflow_run_id = smoke[0]["info"]["run_id"] if smoke else ""
     context.mlflow_runs = mlflow_runs(stack, experiment["experiment_id"])
     shots: dict[str, Shot] = {}
-    browser = Browser(out)
+    viewer, password = stack.account("viewer")  # A person comparing runs signs in to MLflow as the viewer.
+    browser = Browser(out, {"username": viewer, "password": password, "origin": stack.mlflow_url})
     try:
         for key, visitor in PAGES.items():
             started = time.monotonic()

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from scripts.ui_check.stack import Stack, StackError, api, worker_alive
+from scripts.ui_check.stack import Stack, StackError, worker_alive
 
 RUN_TIMEOUT_S = 480  # For both runs together (they start at once; the `training` limit serialises training).
 SWEEP_LEARNING_RATES = [0.02, 0.05]
@@ -14,12 +14,12 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
 def deployment(stack: Stack, name: str) -> dict:
-    return api("GET", f"{stack.api}/deployments/name/{name}")  # type: ignore[return-value]
+    return stack.call("GET", f"{stack.api}/deployments/name/{name}")  # type: ignore[return-value]
 
 
 def run_deployment(stack: Stack, name: str, parameters: dict) -> str:
     """A flow run of deployment `name` (its parameters merged over the deployment's); returns its id."""
-    flow_run = api(
+    flow_run = stack.call(
         "POST", f"{stack.api}/deployments/{deployment(stack, name)['id']}/create_flow_run", {"parameters": parameters}
     )
     return flow_run["id"]  # type: ignore[index]
@@ -33,7 +33,7 @@ def wait_runs(stack: Stack, flow_run_ids: dict[str, str]) -> dict[str, dict]:
         for label, run_id in flow_run_ids.items():
             if label in done:
                 continue
-            flow_run = api("GET", f"{stack.api}/flow_runs/{run_id}")
+            flow_run = stack.call("GET", f"{stack.api}/flow_runs/{run_id}")
             state = flow_run["state"]["name"]  # type: ignore[index]
             if shown.get(label) != state:
                 print(f"  {time.strftime('%H:%M:%S')} {label}: {state}", flush=True)

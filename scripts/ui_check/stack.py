@@ -1,4 +1,6 @@
-"""The servers the UI check looks at: a Prefect server with its UI, an MLflow server and a worker, all on 127.0.0.1.
+"""The servers the UI check looks at: a Prefect server with its UI, an MLflow server and a worker, all on 127.0.0.1,
+each asking for credentials as docker/compose.yaml's do (Prefect's auth string, MLflow's basic-auth app and the
+identities docker/mlflow/identities.py makes); a person signs in to both UIs.
 
 Every process it starts carries a marker in its environment and dies with this script; `Stack.stop` ends them
 all, and what they started (a worker's flow runs sit in process groups of their own) by that marker.
@@ -17,12 +19,22 @@ from pathlib import Path
 import httpx
 
 from harness import REPO_ROOT
+from harness.compose import DOCKER_DIR, generate_secrets
 from harness.ports import HOST, free_port
 from harness.prefect import isolated_prefect_env, prefect_api
 from harness.processes import BIN_DIR, ProcessHandle, run_cli, spawn, stop_all, wait_for_http
 from harness.servers import mlflow_server_command, wait_for_worker
 
 POOL = "cifar-process"
+MLFLOW_IDENTITIES = DOCKER_DIR / "mlflow" / "identities.py"  # The stack's service accounts, made the same way.
+# MLflow's basic-auth app: users in a SQLite file beside the store, no permission until granted.
+MLFLOW_AUTH_CONFIG = """[mlflow]
+default_permission = NO_PERMISSIONS
+database_uri = sqlite:///{database}
+admin_username = admin
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+auth_cache_ttl_seconds = 60
+"""
 MARKER_ENV = "CIFAR_UI_CHECK_RUN"  # Every process this script starts carries it: the final sweep for leftovers.
 WORKER = "prefect-worker"
 
@@ -87,10 +99,23 @@ class Stack:
     prefect_url: str = ""
     mlflow_url: str = ""
     prefect_env: dict[str, str] = field(default_factory=dict)
+    secrets: dict[str, str] = field(default_factory=dict)  # harness.compose.SECRET_VARIABLES, generated.
 
     @property
     def api(self) -> str:
         return f"{self.prefect_url}/api"
+
+    def account(self, name: str) -> tuple[str, str]:
+        """(user, password) of the Prefect auth string ("prefect") or an MLflow account (admin, worker, viewer)."""
+        if name == "prefect":
+            user, _, password = self.secrets["PREFECT_AUTH_STRING"].partition(":")
+            return user, password
+        users = {"admin": "admin", "worker": "cifar-worker", "viewer": "viewer"}
+        return users[name], self.secrets[f"MLFLOW_{name.upper()}_PASSWORD"]
+
+    def call(self, method: str, url: str, body: object | None = None) -> object:
+        """`api` with the credentials of the server `url` is on (MLflow's admin for MLflow)."""
+        return api(method, url, body, auth=self.account("prefect" if url.startswith(self.api) else "admin"))
 
     def spawn(
         self, name: str, command: Sequence[str | Path], env: dict[str, str], cwd: Path | None = None
@@ -118,10 +143,10 @@ class Stack:
                 pass
 
 
-def api(method: str, url: str, body: object | None = None) -> object:
+def api(method: str, url: str, body: object | None = None, auth: tuple[str, str] | None = None) -> object:
     """A JSON request to either server; a busy answer or a timed-out read is retried (harness.prefect.prefect_api)."""
     try:
-        response = prefect_api.request(method, url, json=body)
+        response = prefect_api.request(method, url, json=body, auth=auth)
     except httpx.HTTPError as error:
         raise StackError(f"{method} {url}: {error}") from error
     if response.is_error:
@@ -139,6 +164,7 @@ def start_stack(stack: Stack) -> None:
     """Both servers (started together: each takes a while on a busy machine), the pool, the deployments, a worker."""
     prefect_port, mlflow_port = free_port(), free_port()
     stack.prefect_url, stack.mlflow_url = f"http://{HOST}:{prefect_port}", f"http://{HOST}:{mlflow_port}"
+    stack.secrets = generate_secrets({})
     home = stack.tmp / "prefect-home"
     server_env = isolated_prefect_env(
         home,
@@ -150,15 +176,27 @@ def start_stack(stack: Stack) -> None:
         PREFECT_SERVER_API_PORT=str(prefect_port),
         PREFECT_UI_STATIC_DIRECTORY=str(stack.tmp / "prefect-ui"),  # Not the shared site-packages copy.
         PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT="false",
+        PREFECT_SERVER_API_AUTH_STRING=stack.secrets["PREFECT_AUTH_STRING"],
         PYTHON=sys.executable,
     )
     launcher = REPO_ROOT / "scripts" / "prefect_server.sh"
     prefect = stack.spawn("prefect-server", [launcher, "--host", HOST, "--port", str(prefect_port)], server_env)
-    mlflow = stack.spawn("mlflow-server", mlflow_server_command(stack.tmp / "mlflow", mlflow_port), base_env())
+    mlflow_env = mlflow_auth_env(stack, mlflow_port)
+    mlflow_command = [*mlflow_server_command(stack.tmp / "mlflow", mlflow_port), "--app-name", "basic-auth"]
+    mlflow = stack.spawn("mlflow-server", mlflow_command, mlflow_env)
     with as_stack_error("the servers"):
         wait_for_http(f"{stack.api}/health", prefect, 240, what="prefect-server")
         wait_for_http(f"{stack.mlflow_url}/health", mlflow, 240, what="mlflow-server")
-    stack.prefect_env = isolated_prefect_env(home, stack.api, base=base_env())
+        run_cli([sys.executable, str(MLFLOW_IDENTITIES)], mlflow_env, timeout=300)  # The worker and the viewer.
+    worker_user, worker_password = stack.account("worker")
+    stack.prefect_env = isolated_prefect_env(
+        home,
+        stack.api,
+        base=base_env(),
+        PREFECT_API_AUTH_STRING=stack.secrets["PREFECT_AUTH_STRING"],
+        MLFLOW_TRACKING_USERNAME=worker_user,  # The flow runs log as the workers' account.
+        MLFLOW_TRACKING_PASSWORD=worker_password,
+    )
     print(f"prefect  {stack.prefect_url}   mlflow  {stack.mlflow_url}", flush=True)
 
     cli(stack, ["prefect", "work-pool", "create", POOL, "--type", "process"])
@@ -172,6 +210,22 @@ def start_stack(stack: Stack) -> None:
     )
     with as_stack_error("the worker did not start"):
         wait_for_worker(worker, 120)
+
+
+def mlflow_auth_env(stack: Stack, port: int) -> dict[str, str]:
+    """The MLflow server's environment with its basic-auth app configured, and what identities.py reads."""
+    config = stack.tmp / "mlflow-auth.ini"
+    config.write_text(MLFLOW_AUTH_CONFIG.format(database=stack.tmp / "mlflow" / "auth.db"), encoding="utf-8")
+    (stack.tmp / "mlflow").mkdir(parents=True, exist_ok=True)
+    return {
+        **base_env(),
+        "MLFLOW_AUTH_CONFIG_PATH": str(config),
+        "MLFLOW_AUTH_ADMIN_PASSWORD": stack.secrets["MLFLOW_ADMIN_PASSWORD"],
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": stack.secrets["MLFLOW_SECRET_KEY"],
+        "MLFLOW_PORT": str(port),
+        "MLFLOW_WORKER_PASSWORD": stack.secrets["MLFLOW_WORKER_PASSWORD"],
+        "MLFLOW_VIEWER_PASSWORD": stack.secrets["MLFLOW_VIEWER_PASSWORD"],
+    }
 
 
 def worker_alive(stack: Stack) -> None:
