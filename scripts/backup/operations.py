@@ -135,6 +135,7 @@ def back_up(stack: Stack, root: Path) -> tuple[Path, Manifest]:
     require_running(stack, [DATABASE_SERVICE, "prefect-server", *sorted({service for _, service, _ in volumes})])
     directory = Path(root) / utc_stamp()
     directory.mkdir(parents=True, exist_ok=False)
+    directory.chmod(0o700)  # It holds the CA's private key and MLflow's password hashes (docs/PRODUCTION.md).
     query = "SELECT datname FROM pg_database WHERE NOT datistemplate AND datname <> 'postgres' ORDER BY 1"
     databases = [row[0] for row in stack.psql("postgres", query)]
     # Databases first: a run finished between the two steps leaves files no row points to, never the reverse.
