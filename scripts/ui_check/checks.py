@@ -128,7 +128,6 @@ CHECKS: tuple[Check, ...] = (
 SCREENSHOTS = {
     "prefect-sign-in": "prefect-sign-in.png",
     "mlflow-sign-in": "mlflow-sign-in.png",
-    "mlflow-sign-in-refused": "mlflow-sign-in-refused.png",
     "prefect-deployments": "prefect-deployments.png",
     "prefect-custom-run-smoke": "prefect-custom-run-smoke-train.png",
     "prefect-custom-run-smoke-top": "prefect-custom-run-smoke.png",
