@@ -36,8 +36,8 @@ SLOWEST_FIRST = (
     "test_search.py",
     "test_multiworker.py",
     "test_continuous_training.py",
+    "test_reuse_pipeline.py",  # One test of 70-110 s: started after the others, it ran last and alone.
     "test_flow_local.py",
-    "test_reuse_pipeline.py",
     "test_postgres_stack.py",
     "test_resume.py",
     "test_distribute.py",
