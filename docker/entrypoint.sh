@@ -71,6 +71,56 @@ prefect --no-prompt deploy --all
 # prefect.yaml's pull step starts each flow run in "{{ $PWD }}" as the worker sees it: this directory
 # (the image's WORKDIR, /app), so the flows' `./workdir` is the `workdir` volume.
 export PWD
+
+# `docker stop`, `podman stop`, `compose down` and a Kubernetes eviction send SIGTERM here (through the
+# image's init). Prefect's worker answers it by stopping itself; the flow runs it started, each in a session
+# of its own, would then die with the container, mid-step, without a checkpoint. So the worker runs as a
+# child of this shell, and a SIGTERM goes first to every flow run's process: a training saves its state
+# after the next step (TensorFlow's preemption handler) and its run ends Failed, to be resumed by running it
+# again; a run outside training ends Crashed. Once they have ended (their states reported by the worker),
+# the worker stops. The container needs the time: stop_grace_period in docker/compose.yaml.
+children_of() {  # The processes whose parent is $1 (no procps in the image).
+    local status key value
+    for status in /proc/[0-9]*/status; do
+        while read -r key value; do
+            if [[ $key == PPid: ]]; then
+                [[ $value == "$1" ]] && basename "$(dirname "$status")"
+                break
+            fi
+        done < "$status" 2>/dev/null
+    done
+}
+alive() {  # Whether process $1 still runs (a zombie has ended: its parent has not read its status yet).
+    local key value
+    while read -r key value; do
+        [[ $key == State: ]] && { [[ $value != Z* ]]; return; }
+    done < "/proc/$1/status" 2>/dev/null
+    return 1
+}
+stopping=
+trap 'stopping=1' TERM INT
+# The worker in a process group of its own: the image's init may signal this shell's whole group, and the
+# worker must not begin its own shutdown while its flow runs are still saving.
+set -m
 # CIFAR_WORKER_LIMIT=N: at most N flow runs at once in this worker (1 when each worker owns one device).
 # Empty (the default): no limit, so a single worker can run a search and its trials side by side.
-exec prefect worker start --pool "$pool" --with-healthcheck ${CIFAR_WORKER_LIMIT:+--limit "$CIFAR_WORKER_LIMIT"} "$@"
+prefect worker start --pool "$pool" --with-healthcheck ${CIFAR_WORKER_LIMIT:+--limit "$CIFAR_WORKER_LIMIT"} "$@" &
+worker=$!
+status=0
+while [[ -z $stopping ]] && alive "$worker"; do
+    wait "$worker" && status=0 || status=$?  # Returns early (above 128) when a signal arrives.
+done
+if [[ -n $stopping ]] && alive "$worker"; then
+    runs=$(children_of "$worker")  # The flow runs' processes.
+    if [[ -n $runs ]]; then
+        echo "entrypoint: SIGTERM: stopping the flow runs' processes ($(echo $runs)) before the worker" >&2
+        kill -TERM $runs 2>/dev/null || true
+        for run in $runs; do
+            while alive "$run"; do sleep 1; done
+        done
+        sleep 5  # The worker reports how they ended.
+    fi
+    kill -TERM "$worker" 2>/dev/null || true
+    wait "$worker" && status=0 || status=$?
+fi
+exit "$status"

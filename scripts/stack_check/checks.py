@@ -9,6 +9,12 @@ from dataclasses import dataclass
 from harness.compose import generate_secrets, write_env_file
 from harness.ports import free_port
 from scripts.stack_check.access import check_bare_ports, check_identities, check_no_secrets, check_sign_in
+from scripts.stack_check.cluster_drills import (
+    check_lost_worker,
+    check_lost_worker_resume,
+    check_stopped_worker,
+    check_two_workers,
+)
 from scripts.stack_check.context import Context
 from scripts.stack_check.drills import check_kill, check_resume, check_search
 from scripts.stack_check.engine import Engine, install_tools
@@ -91,6 +97,10 @@ CHECKS = (
     Step("worker killed mid-training: CRASHED", check_kill),
     Step("re-run resumes from the last checkpoint", check_resume),
     Step("2 workers: 4-trial search, parallel 2", check_search),
+    Step("one training on 2 worker containers", check_two_workers),
+    Step("2-worker job: a worker container killed", check_lost_worker),
+    Step("2-worker job run again: resumes", check_lost_worker_resume),
+    Step("training worker stopped (SIGTERM): saved, resumes", check_stopped_worker),
     Step("MLflow identities: viewer 403, worker allowed", check_identities),
     Step("worker on another network: smoke via the front door", check_remote_worker),
     Step("no secret in images, logs, MLflow or Prefect", check_no_secrets),

@@ -58,6 +58,8 @@ class Findings:
     artifact_files: int = 0  # Files on the mlartifacts volume after the smoke run.
     kill_last_epoch: int = 0  # The last epoch checkpointed before the worker was killed.
     kill_mlflow_run: str | None = None  # The killed training's MLflow run, which the re-run must continue.
+    lost_last_epoch: int = 0  # The 2-worker job's last checkpointed epoch when its worker was killed.
+    lost_mlflow_run: str = ""  # That job's MLflow run.
 
 
 @dataclass
