@@ -11,6 +11,7 @@ import json
 import re
 import time
 
+from cifar.summary import PipelineSummary
 from harness import REPO_ROOT
 from harness.compose import DOCKER_DIR, write_env_file
 from scripts.stack_check.context import Context
@@ -116,10 +117,14 @@ def check_remote_worker(context: Context, row: Row) -> None:
     run = stack.wait_flow_run(found.group(1), {"COMPLETED"}, timeout=120)
     if result.returncode != 0:
         raise StepError(f"the remote smoke run: {run['state']['type']}, {last_line(result.stdout + result.stderr)}")
-    summary = json.loads(stack.engine("exec", container, "cat", f"{WORKDIR}/summary.json", timeout=60).stdout)
-    version = str(summary["promotion"]["registered_model_version"])
+    summary = PipelineSummary.model_validate_json(
+        stack.engine("exec", container, "cat", f"{WORKDIR}/summary.json", timeout=60).stdout
+    )
+    if summary.promotion is None:
+        raise StepError("the remote run's summary.json has no promotion")
+    version = str(summary.promotion.registered_model_version)
     champion = stack.mlflow("registered-models/alias", name=MODEL_NAME, alias="champion")["model_version"]
-    if champion["version"] != version or not summary["promotion"]["champion"]:
+    if champion["version"] != version or not summary.promotion.champion:
         raise StepError(f"champion is v{champion['version']}, the remote run registered v{version}")
     artifacts = stack.mlflow("artifacts/list", run_id=champion["run_id"]).get("files", [])
     if not artifacts:
