@@ -55,43 +55,6 @@ def profile(model_name: str, precision: str, batch_size: int, steps: int) -> tup
     return [(name, time_ / total) for name, time_ in by_type.most_common()], images_per_second
 
 
-def training_flops_per_image(model) -> float:
-    """Floating-point operations of one image's training step in the convolutions and dense layers.
-
-    Forward: 2 FLOPs per multiply-add; backward: the input and the filter gradients, each as much again,
-    so 3x the forward (the usual count; batch norm, ReLU and the optimizer are left out: they are
-    memory-bound and a few % of the arithmetic).
-    """
-    import keras
-
-    forward = 0.0
-    for layer in model._flatten_layers(include_self=False):
-        if isinstance(layer, keras.layers.Conv2D):
-            kernel_h, kernel_w, channels_in, channels_out = layer.kernel.shape
-            _, height, width, _ = layer.output.shape
-            forward += 2.0 * height * width * kernel_h * kernel_w * channels_in * channels_out
-        elif isinstance(layer, keras.layers.Dense):
-            forward += 2.0 * layer.kernel.shape[0] * layer.kernel.shape[1]
-    return 3.0 * forward
-
-
-def matmul_flops_per_second(precision: str, size: int = 2048, seconds: float = 3.0) -> float:
-    """What this CPU's cores reach on the friendliest work there is, a large square matmul (oneDNN), in the
-    precision's compute type: the practical peak the training step is compared with."""
-    import tensorflow as tf
-
-    dtype = tf.bfloat16 if precision == "mixed_bfloat16" else tf.float32
-    a = tf.random.normal((size, size), dtype=tf.float32)
-    a, b = tf.cast(a, dtype), tf.cast(tf.transpose(a), dtype)
-    multiply = tf.function(lambda x, y: tf.reduce_sum(tf.cast(tf.matmul(x, y), tf.float32)))
-    multiply(a, b).numpy()  # Warm-up.
-    count, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        multiply(a, b).numpy()
-        count += 1
-    return count * 2.0 * size**3 / (time.perf_counter() - start)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet56")
@@ -104,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     shares, speeds, peaks = {}, {}, {}
     for precision in args.precision:
         shares[precision], speeds[precision] = profile(args.model, precision, args.batch_size, args.steps)
-        peaks[precision] = matmul_flops_per_second(precision)
-    flops = training_flops_per_image(train_throughput.compiled_model(args.model, train_throughput.STOCK))
+        peaks[precision] = train_throughput.matmul_peak(precision)
+    flops = train_throughput.training_flops_per_image(
+        train_throughput.compiled_model(args.model, train_throughput.STOCK)
+    )
     names = [name for name, share in shares[args.precision[0]] if share >= 0.005]
     header = " | ".join(f"{precision} ({speeds[precision]:.0f} images/s)" for precision in args.precision)
     lines = [f"| op type | {header} |", "|---|" + "---:|" * len(args.precision)]
