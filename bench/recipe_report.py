@@ -131,7 +131,9 @@ def report(workdir: Path, api_url: str | None, deployment: str | None) -> tuple[
     if api_url and deployment:
         epoch_times = {epoch: stamp for epoch, (_, stamp) in histories["loss"].items()}
         rows = sittings(api_url, deployment, epoch_times)
-        lines += ["", f"Sittings: {len(rows)} flow runs of `{deployment}`, each continuing the same MLflow run.", "",
+        lines += ["", f"Sittings: {len(rows)} flow runs of `{deployment}`, each continuing the same MLflow run "
+                  "(a sitting stopped with its machine ends CRASHED when the next one marks it so: its end time "
+                  "is then that moment).", "",
                   "| flow run | started (UTC) | ended | state | epochs logged |", "|---|---|---|---|---|"]  # fmt: skip
         for row in rows:
             span = f"{row['epochs'][0]}-{row['epochs'][-1]}" if row["epochs"] else "none"
