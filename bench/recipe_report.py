@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -87,29 +88,59 @@ def plot_curves(histories: dict, preset: str, path: Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class RecipeRun:
+    """What the report needs of a run's summary.json, in either layout."""
+
+    preset: str
+    model: str
+    run_name: str
+    mlflow_run_id: str
+    tracking_uri: str
+    epochs_completed: int
+    metrics_path: str
+
+    @classmethod
+    def read(cls, workdir: Path) -> RecipeRun:
+        """From `workdir/summary.json`: version 2 (`PipelineSummary`) or the flat version 1, which a run of a
+        checkout from before issue 35 writes (the headline `full` run's frozen clone is one)."""
+        from cifar.io import read_json
+        from cifar.summary import PipelineSummary
+
+        path = workdir / "summary.json"
+        if "summary_version" in read_json(path):
+            summary = PipelineSummary.read(path)
+            training, evaluation = summary.training, summary.evaluation
+            if training is None or evaluation is None or not training.mlflow_run_id:
+                raise ValueError(f"{path} holds no evaluated training with an MLflow run")
+            return cls(summary.preset, training.model, training.run_name, training.mlflow_run_id,
+                       training.tracking_uri, training.epochs_completed, evaluation.metrics_path)  # fmt: skip
+        flat = read_json(path)
+        missing = [name for name in cls.__dataclass_fields__ if not flat.get(name)]
+        if missing:
+            raise ValueError(f"{path} (summary version 1) lacks {', '.join(missing)}: no evaluated training?")
+        return cls(**{name: flat[name] for name in cls.__dataclass_fields__})
+
+
 def report(workdir: Path, api_url: str | None, deployment: str | None) -> tuple[str, Path]:
     from cifar.results import EvaluationMetrics
-    from cifar.summary import PipelineSummary
 
-    summary = PipelineSummary.read(workdir / "summary.json")
-    training, evaluation = summary.training, summary.evaluation
-    if training is None or evaluation is None or not training.mlflow_run_id:
-        raise ValueError(f"{workdir}/summary.json holds no evaluated training with an MLflow run")
-    metrics = EvaluationMetrics.read(evaluation.metrics_path)
-    histories = metric_histories(training.tracking_uri, training.mlflow_run_id)
+    run = RecipeRun.read(workdir)
+    metrics = EvaluationMetrics.read(run.metrics_path)
+    histories = metric_histories(run.tracking_uri, run.mlflow_run_id)
     epochs = sorted(histories["loss"])
-    if epochs != list(range(1, training.epochs_completed + 1)):
-        raise ValueError(f"MLflow holds epochs {epochs[:3]}...{epochs[-3:]}, not 1-{training.epochs_completed}")
+    if epochs != list(range(1, run.epochs_completed + 1)):
+        raise ValueError(f"MLflow holds epochs {epochs[:3]}...{epochs[-3:]}, not 1-{run.epochs_completed}")
     seconds = sum(value for value, _ in histories["epoch_seconds"].values())
     speed = statistics.median(value for value, _ in histories["examples_per_second"].values())
-    plot = plot_curves(histories, summary.preset, common.REPO_ROOT / "docs" / "images" / f"recipe-{summary.preset}.png")
+    plot = plot_curves(histories, run.preset, common.REPO_ROOT / "docs" / "images" / f"recipe-{run.preset}.png")
 
     def percent(value: float | None) -> str:
         return "—" if value is None else f"{100 * value:.2f} %"
 
     lines = [
-        f"Preset `{summary.preset}` ({training.model}), run `{training.run_name}`, MLflow run "
-        f"`{training.mlflow_run_id}`; {common.cpu_model()}, {common.cores()} cores.",
+        f"Preset `{run.preset}` ({run.model}), run `{run.run_name}`, MLflow run "
+        f"`{run.mlflow_run_id}`; {common.cpu_model()}, {common.cores()} cores.",
         "",
         "| | |",
         "|---|---|",
@@ -119,7 +150,7 @@ def report(workdir: Path, api_url: str | None, deployment: str | None) -> tuple[
         f"| with flip + translation TTA | {percent(metrics.tta_accuracy)} |",
         f"| on the {metrics.deduplicated_examples or 0:,} test images without a near-duplicate in training "
         f"(`test_accuracy_deduplicated`) | {percent(metrics.test_accuracy_deduplicated)} |",
-        f"| epochs | {training.epochs_completed}, each logged once in MLflow |",
+        f"| epochs | {run.epochs_completed}, each logged once in MLflow |",
         f"| training wall time (epochs, validation included) | {seconds / 3600:.2f} h |",
         f"| images/s (median over epochs) | {speed:.0f} |",
         "",
@@ -138,7 +169,7 @@ def report(workdir: Path, api_url: str | None, deployment: str | None) -> tuple[
         for row in rows:
             span = f"{row['epochs'][0]}-{row['epochs'][-1]}" if row["epochs"] else "none"
             lines.append(f"| {row['name']} | {row['start']} | {row['end']} | {row['state']} | {span} |")
-    lines += ["", f"![{summary.preset} curves](images/{plot.name})"]
+    lines += ["", f"![{run.preset} curves](images/{plot.name})"]
     return "\n".join(lines), plot
 
 
@@ -152,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     body, plot = report(args.workdir.expanduser(), args.prefect_api, args.deployment)
     print(body)
     if args.write_docs:
-        from cifar.summary import PipelineSummary
-
-        preset = PipelineSummary.read(args.workdir.expanduser() / "summary.json").preset
+        preset = RecipeRun.read(args.workdir.expanduser()).preset
         common.write_section(f"## Recipe results: `{preset}`", body)
     print(f"curves: {plot}")
     return 0
