@@ -25,6 +25,7 @@ import common  # noqa: E402
 
 CURVE_METRICS = ("loss", "accuracy", "val_loss", "val_accuracy", "learning_rate", "examples_per_second",
                  "epoch_seconds")  # fmt: skip
+PROVENANCE_FILE = "cifar-10-provenance.npz"  # Beside the shared archive: which images kept their pixels.
 
 
 def metric_histories(tracking_uri: str, run_id: str) -> dict[str, dict[int, tuple[float, int]]]:
@@ -99,6 +100,8 @@ class RecipeRun:
     tracking_uri: str
     epochs_completed: int
     metrics_path: str
+    predictions_path: str
+    source: str  # The archive the run read.
 
     @classmethod
     def read(cls, workdir: Path) -> RecipeRun:
@@ -114,12 +117,34 @@ class RecipeRun:
             if training is None or evaluation is None or not training.mlflow_run_id:
                 raise ValueError(f"{path} holds no evaluated training with an MLflow run")
             return cls(summary.preset, training.model, training.run_name, training.mlflow_run_id,
-                       training.tracking_uri, training.epochs_completed, evaluation.metrics_path)  # fmt: skip
+                       training.tracking_uri, training.epochs_completed, evaluation.metrics_path,
+                       evaluation.predictions_path, summary.config.data.source)  # fmt: skip
         flat = read_json(path)
         missing = [name for name in cls.__dataclass_fields__ if not flat.get(name)]
         if missing:
             raise ValueError(f"{path} (summary version 1) lacks {', '.join(missing)}: no evaluated training?")
         return cls(**{name: flat[name] for name in cls.__dataclass_fields__})
+
+
+def accuracy_by_provenance(predictions_path: str, provenance: Path) -> dict[str, tuple[float, int]] | None:
+    """Test accuracy on the images with their original pixels and on those decoded from a JPEG copy.
+
+    The shared archive's `cifar-10-provenance.npz` (beside it) marks each test image that carries the
+    original pixels (`test_exact`); the others went through JPEG at quality 75. None without that file."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    if not provenance.is_file():
+        return None
+    with np.load(provenance, allow_pickle=False) as masks:
+        exact = masks["test_exact"].astype(bool)
+    table = pq.read_table(predictions_path, columns=["index", "correct"])
+    order = np.argsort(table["index"].to_numpy())  # Rows by test image index, the archive's order.
+    correct = table["correct"].to_numpy()[order]
+    if len(correct) != len(exact):
+        raise ValueError(f"{predictions_path} has {len(correct)} rows, {provenance} marks {len(exact)} test images")
+    return {"with their original pixels": (float(correct[exact].mean()), int(exact.sum())),
+            "decoded from a JPEG copy at quality 75": (float(correct[~exact].mean()), int((~exact).sum()))}  # fmt: skip
 
 
 def report(workdir: Path, api_url: str | None, deployment: str | None) -> tuple[str, Path]:
@@ -134,6 +159,9 @@ def report(workdir: Path, api_url: str | None, deployment: str | None) -> tuple[
     seconds = sum(value for value, _ in histories["epoch_seconds"].values())
     speed = statistics.median(value for value, _ in histories["examples_per_second"].values())
     plot = plot_curves(histories, run.preset, common.REPO_ROOT / "docs" / "images" / f"recipe-{run.preset}.png")
+
+    provenance = Path(run.source).expanduser().parent / PROVENANCE_FILE
+    by_provenance = accuracy_by_provenance(run.predictions_path, provenance)
 
     def percent(value: float | None) -> str:
         return "—" if value is None else f"{100 * value:.2f} %"
@@ -150,6 +178,10 @@ def report(workdir: Path, api_url: str | None, deployment: str | None) -> tuple[
         f"| with flip + translation TTA | {percent(metrics.tta_accuracy)} |",
         f"| on the {metrics.deduplicated_examples or 0:,} test images without a near-duplicate in training "
         f"(`test_accuracy_deduplicated`) | {percent(metrics.test_accuracy_deduplicated)} |",
+        *[
+            f"| on the {count:,} test images {name} ({provenance.name}) | {percent(value)} |"
+            for name, (value, count) in (by_provenance or {}).items()
+        ],  # fmt: skip
         f"| epochs | {run.epochs_completed}, each logged once in MLflow |",
         f"| training wall time (epochs, validation included) | {seconds / 3600:.2f} h |",
         f"| images/s (median over epochs) | {speed:.0f} |",
