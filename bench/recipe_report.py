@@ -26,6 +26,7 @@ import common  # noqa: E402
 CURVE_METRICS = ("loss", "accuracy", "val_loss", "val_accuracy", "learning_rate", "examples_per_second",
                  "epoch_seconds")  # fmt: skip
 PROVENANCE_FILE = "cifar-10-provenance.npz"  # Beside the shared archive: which images kept their pixels.
+MIN_PER_KIND = 50  # Test images of each provenance a class needs to enter the within-class comparison.
 
 
 def metric_histories(tracking_uri: str, run_id: str) -> dict[str, dict[int, tuple[float, int]]]:
@@ -111,7 +112,8 @@ class RecipeRun:
         from cifar.summary import PipelineSummary
 
         path = workdir / "summary.json"
-        if "summary_version" in read_json(path):
+        values = read_json(path)
+        if "summary_version" in values:
             summary = PipelineSummary.read(path)
             training, evaluation = summary.training, summary.evaluation
             if training is None or evaluation is None or not training.mlflow_run_id:
@@ -119,11 +121,10 @@ class RecipeRun:
             return cls(summary.preset, training.model, training.run_name, training.mlflow_run_id,
                        training.tracking_uri, training.epochs_completed, evaluation.metrics_path,
                        evaluation.predictions_path, summary.config.data.source)  # fmt: skip
-        flat = read_json(path)
-        missing = [name for name in cls.__dataclass_fields__ if not flat.get(name)]
+        missing = [name for name in cls.__dataclass_fields__ if not values.get(name)]
         if missing:
             raise ValueError(f"{path} (summary version 1) lacks {', '.join(missing)}: no evaluated training?")
-        return cls(**{name: flat[name] for name in cls.__dataclass_fields__})
+        return cls(**{name: values[name] for name in cls.__dataclass_fields__})
 
 
 def accuracy_by_provenance(predictions_path: str, provenance: Path) -> dict[str, tuple[float, int]] | None:
@@ -148,22 +149,23 @@ def accuracy_by_provenance(predictions_path: str, provenance: Path) -> dict[str,
     if len(correct) != len(exact):
         raise ValueError(f"{predictions_path} has {len(correct)} rows, {provenance} marks {len(exact)} test images")
     kinds = {"with their original pixels": exact, "decoded from a JPEG copy at quality 75": ~exact}
-    classes = [k for k in np.unique(labels) if all(((labels == k) & mask).sum() >= 50 for mask in kinds.values())]
+    classes = [
+        k for k in np.unique(labels) if all(((labels == k) & mask).sum() >= MIN_PER_KIND for mask in kinds.values())
+    ]
     if not classes:
         return None
     return {
         name: (
             float(np.mean([correct[(labels == k) & mask].mean() for k in classes])),
             int(sum(((labels == k) & mask).sum() for k in classes)),
-        )  # fmt: skip
+        )
         for name, mask in kinds.items()
     }
 
 
-def report(workdir: Path, api_url: str | None, deployment: str | None) -> tuple[str, Path]:
+def report(run: RecipeRun, api_url: str | None, deployment: str | None) -> tuple[str, Path]:
     from cifar.results import EvaluationMetrics
 
-    run = RecipeRun.read(workdir)
     metrics = EvaluationMetrics.read(run.metrics_path)
     histories = metric_histories(run.tracking_uri, run.mlflow_run_id)
     epochs = sorted(histories["loss"])
@@ -195,7 +197,7 @@ def report(workdir: Path, api_url: str | None, deployment: str | None) -> tuple[
             f"| on the {count:,} test images {name}, in the classes that have both kinds (mean of the "
             f"classes' accuracies; {provenance.name}) | {percent(value)} |"
             for name, (value, count) in (by_provenance or {}).items()
-        ],  # fmt: skip
+        ],
         f"| epochs | {run.epochs_completed}, each logged once in MLflow |",
         f"| training wall time (epochs, validation included) | {seconds / 3600:.2f} h |",
         f"| images/s (median over epochs) | {speed:.0f} |",
@@ -226,11 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deployment", help="flow/deployment, e.g. cifar/full")
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
-    body, plot = report(args.workdir.expanduser(), args.prefect_api, args.deployment)
+    run = RecipeRun.read(args.workdir.expanduser())
+    body, plot = report(run, args.prefect_api, args.deployment)
     print(body)
     if args.write_docs:
-        preset = RecipeRun.read(args.workdir.expanduser()).preset
-        common.write_section(f"## Recipe results: `{preset}`", body)
+        common.write_section(f"## Recipe results: `{run.preset}`", body)
     print(f"curves: {plot}")
     return 0
 
