@@ -206,11 +206,9 @@ def check_stopped_worker(context: Context, row: Row) -> None:
     if stopped_after >= STOP_TIMEOUT_SECONDS or exit_code == "137":
         raise StepError(f"the container did not stop by itself within {STOP_TIMEOUT_SECONDS} s (exit {exit_code})")
     step, steps, epoch = (int(value) for value in saved.groups())
+    run_id = mlflow_run_of(stack, STOP_RUN)
     stack.engine("start", container, timeout=120)
     stack.wait_healthy_containers([container], 600)
-    # Read through the workers' shared volume only now: `read_json` execs into the first worker container,
-    # which may be the one just stopped.
-    run_id = mlflow_run_of(stack, STOP_RUN)
     stack.pause_nightly()
     rerun_id = stack.deployment_run("cifar/smoke", parameters, watch=True, timeout=1200)
     stack.wait_flow_run(rerun_id, {"COMPLETED"}, timeout=120)

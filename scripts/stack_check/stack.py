@@ -86,15 +86,17 @@ class Stack:
             argv += ["--filter", f"label=com.docker.compose.service={service}"]
         return sorted(line for line in self.engine(*argv, timeout=60).stdout.split() if line)
 
-    def container(self, service: str, index: int = 0) -> str:
-        names = self.containers(service)
+    def container(self, service: str, index: int = 0, *, running: bool = False) -> str:
+        names = self.containers(service, all=not running)
         if len(names) <= index:
-            raise StepError(f"no container {index + 1} of service {service}")
+            raise StepError(f"no {'running ' if running else ''}container {index + 1} of service {service}")
         return names[index]
 
     def exec(self, service: str, *argv: str, index: int = 0, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        # Among the running containers only: a drill may have stopped one of the service's (the workers
+        # share the workdir volume, so any running one reads the same files).
         interactive = ["-i"] if kwargs.get("input") is not None else []
-        return self.engine("exec", *interactive, self.container(service, index), *argv, **kwargs)
+        return self.engine("exec", *interactive, self.container(service, index, running=True), *argv, **kwargs)
 
     def state(self, container: str) -> str:
         result = self.engine("inspect", "--format", "{{.State.Status}}", container, check=False, timeout=60)
