@@ -20,6 +20,8 @@ DOCS_PATH = REPO_ROOT / "docs" / "BENCHMARKS.md"
 DEFAULT_ARCHIVE = REPO_ROOT.parent / "shared" / "data" / "cifar-10-python.tar.gz"
 # The offline archive's own SHA-256 (it is not the official file, so the official MD5 does not apply).
 DEFAULT_SHA256 = "489922dd9a4a6edc25e4029413c0bdbad3f28e7940960932a326c6c87653312c"
+# Beside the shared archive: which images kept their original pixels (the rest went through JPEG q75).
+PROVENANCE_FILE = "cifar-10-provenance.npz"
 DEFAULT_BENCH_WORKDIR = Path("/tmp/cifar-bench")
 SHARED_NOTE = (
     "the machine's 2 cores were shared with other engineers' jobs and tests during the run, so "
@@ -87,6 +89,14 @@ def prepare_bench_data(
         raise SystemExit(f"archive not found: {archive}")
     result = prepare_data(DataConfig(source=str(archive), sha256=sha256 or default_sha256(archive)), workdir)
     return Path(result.data_dir)
+
+
+def exact_test_images(provenance: str | Path):
+    """The provenance file's `test_exact` mask: True for each test image with its original pixels."""
+    import numpy as np
+
+    with np.load(provenance, allow_pickle=False) as masks:
+        return masks["test_exact"].astype(bool)
 
 
 def median(values: Sequence[float]) -> float:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-DEFAULT_PROVENANCE = common.DEFAULT_ARCHIVE.parent / "cifar-10-provenance.npz"
+DEFAULT_PROVENANCE = common.DEFAULT_ARCHIVE.parent / common.PROVENANCE_FILE
 JPEG_QUALITY = 75  # The archive's README: "decoded from a JPEG (quality 75) copy of the original".
 FIRST_BLOCK = 1000  # The first 1,000 test images are all original pixels, every class.
 CLASS_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -148,8 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not args.predictions and not args.checkpoint:
         parser.error("give predictions files, --checkpoint, or both")
-    with np.load(args.provenance, allow_pickle=False) as masks:
-        exact = masks["test_exact"].astype(bool)
+    exact = common.exact_test_images(args.provenance)
     if args.predictions:
         labels, views = read_all_predictions(args.predictions, exact)
         subsets = test_subsets(exact, labels)

@@ -25,7 +25,6 @@ import common  # noqa: E402
 
 CURVE_METRICS = ("loss", "accuracy", "val_loss", "val_accuracy", "learning_rate", "examples_per_second",
                  "epoch_seconds")  # fmt: skip
-PROVENANCE_FILE = "cifar-10-provenance.npz"  # Beside the shared archive: which images kept their pixels.
 MIN_PER_KIND = 50  # Test images of each provenance a class needs to enter the within-class comparison.
 
 
@@ -141,8 +140,7 @@ def accuracy_by_provenance(predictions_path: str, provenance: Path) -> dict[str,
 
     if not provenance.is_file():
         return None
-    with np.load(provenance, allow_pickle=False) as masks:
-        exact = masks["test_exact"].astype(bool)
+    exact = common.exact_test_images(provenance)
     table = pq.read_table(predictions_path, columns=["index", "label", "correct"])
     order = np.argsort(table["index"].to_numpy())  # Rows by test image index, the archive's order.
     labels, correct = table["label"].to_numpy()[order], table["correct"].to_numpy()[order]
@@ -175,7 +173,7 @@ def report(run: RecipeRun, api_url: str | None, deployment: str | None) -> tuple
     speed = statistics.median(value for value, _ in histories["examples_per_second"].values())
     plot = plot_curves(histories, run.preset, common.REPO_ROOT / "docs" / "images" / f"recipe-{run.preset}.png")
 
-    provenance = Path(run.source).expanduser().parent / PROVENANCE_FILE
+    provenance = Path(run.source).expanduser().parent / common.PROVENANCE_FILE
     by_provenance = accuracy_by_provenance(run.predictions_path, provenance)
 
     def percent(value: float | None) -> str:
