@@ -36,7 +36,18 @@ def restart_mid_training(stack: Stack, service: str, flow_run_id: str) -> str:
     started = time.monotonic()
     stack.engine("restart", "--time", "10", stack.container(service), timeout=180)
     stack.wait_healthy([service], 300)
+    # Healthy is not yet serving: after PostgreSQL's restart the Prefect server answers 500 until its
+    # connections are made again (a name lookup of `postgres` can stall for seconds while the network
+    # re-registers it). The restart is over when the API reads the flow run again.
+    wait_until(f"the Prefect API after {service}'s restart", lambda: api_reads(stack, flow_run_id), 180, 2)
     return f"{service} after epoch {epoch} ({time.monotonic() - started:.0f} s)"
+
+
+def api_reads(stack: Stack, flow_run_id: str) -> bool:
+    try:
+        return bool(stack.flow_run(flow_run_id))
+    except StepError:
+        return False
 
 
 def epochs_in_mlflow(stack: Stack, run_id: str, keys: list[str]) -> dict[str, list[int]]:
