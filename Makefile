@@ -83,9 +83,10 @@ worker: setup
 	$(QUIET) PWD=$(CURDIR) PATH=$(CURDIR)/$(VENV)/bin:$$PATH PREFECT_API_URL=$(PREFECT_API_URL) \
 	  MLFLOW_TRACKING_URI=$(MLFLOW_TRACKING_URI) $(VENV)/bin/prefect worker start --pool cifar-process
 
-# The MLflow UI over a store (default: the local pipeline's SQLite store under WORKDIR).
+# The MLflow UI over a store (default: the local pipeline's SQLite store under WORKDIR), without MLflow's
+# job runner (GenAI jobs; docker/compose.yaml says why).
 mlflow-ui: setup
-	$(QUIET) $(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(MLFLOW_PORT)
+	$(QUIET) MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(MLFLOW_PORT)
 
 # The registry's champion over REST on SERVE_PORT (`mlflow models serve` runs uvicorn from the venv).
 serve: setup

@@ -23,7 +23,7 @@ from harness.compose import DOCKER_DIR, generate_secrets
 from harness.ports import HOST, free_port
 from harness.prefect import isolated_prefect_env, prefect_api
 from harness.processes import BIN_DIR, ProcessHandle, run_cli, spawn, stop_all, wait_for_http
-from harness.servers import mlflow_server_command, wait_for_worker
+from harness.servers import MLFLOW_SERVER_SETTINGS, mlflow_server_command, wait_for_worker
 
 POOL = "cifar-process"
 MLFLOW_IDENTITIES = DOCKER_DIR / "mlflow" / "identities.py"  # The stack's service accounts, made the same way.
@@ -219,6 +219,7 @@ def mlflow_auth_env(stack: Stack, port: int) -> dict[str, str]:
     (stack.tmp / "mlflow").mkdir(parents=True, exist_ok=True)
     return {
         **base_env(),
+        **MLFLOW_SERVER_SETTINGS,
         "MLFLOW_AUTH_CONFIG_PATH": str(config),
         "MLFLOW_AUTH_ADMIN_PASSWORD": stack.secrets["MLFLOW_ADMIN_PASSWORD"],
         "MLFLOW_FLASK_SERVER_SECRET_KEY": stack.secrets["MLFLOW_SECRET_KEY"],
