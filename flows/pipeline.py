@@ -152,13 +152,15 @@ def check(args: argparse.Namespace) -> Request:
     config = config_from_args(args)
     check_request(config)
     overrides = ConfigOverrides.of(config)
+    from prefect.settings import get_current_settings
+
+    # Without a server, the job's other workers need a pool to be placed on: a local one for the length of the
+    # run (its own server, so no temporary one). Decided here, before the supervisor starts a temporary server.
+    local_pool = config.train.workers > 1 and not get_current_settings().api.url and reaches(args.until, "train")
 
     def run() -> int:
-        from prefect.settings import get_current_settings
-
         arguments = {"config": overrides, "workdir": args.workdir, "until": args.until, "refresh": args.refresh}
-        if config.train.workers > 1 and not get_current_settings().api.url and reaches(args.until, "train"):
-            # The job's other workers need a pool to be placed on: a local one for the length of the run.
+        if local_pool:
             with local_work_pool(config.train.workers - 1, resolve_workdir(args.workdir) / "logs"):
                 summary = cifar_pipeline(**arguments)
         else:
@@ -166,7 +168,7 @@ def check(args: argparse.Namespace) -> Request:
         print(summary.describe())
         return 0
 
-    return Request(resolve_workdir(args.workdir), run)
+    return Request(resolve_workdir(args.workdir), run, temporary_server=not local_pool)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ here: flows depend on the runtime, never the other way (tests/test_imports.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib.metadata
 import logging
@@ -16,8 +17,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -125,6 +127,8 @@ class Request:
 
     workdir: Path
     run: Callable[[], int]  # Runs the flow, prints its result, returns the exit code.
+    # Without PREFECT_API_URL the run needs Prefect's temporary server (False: it brings a server of its own).
+    temporary_server: bool = True
 
 
 def run_command(
@@ -152,15 +156,22 @@ def run_command(
         return 2  # Before any work: nothing was started or written.
     if isinstance(request, int):
         return request
+    server = None
     if os.environ.get(SUPERVISED_ENV) != "1" and sys.platform == "linux":
-        if ephemeral_server:
-            prepare_ephemeral_database()
-        code = supervise(script, sys.argv[1:] if argv is None else list(argv), fork=argv is None)
+        if ephemeral_server and request.temporary_server and prepare_ephemeral_database():
+            server = TemporaryServer.start()
+        try:
+            code = supervise(script, sys.argv[1:] if argv is None else list(argv), fork=argv is None, server=server)
+        except BaseException:
+            if server is not None:
+                server.stop()
+            raise
         if code is not None:
             return code
     log_path = log_to_file(request.workdir, script)
     try:
-        return request.run()
+        with TemporaryServer.in_use(server):
+            return request.run()
     except TrainingPreempted as stopped:  # SIGTERM during training: its state is saved, nothing failed.
         print(f"stopped: {stopped} (full log: {log_path})", file=sys.stderr)
         return STOPPED_EXIT_CODE
@@ -172,16 +183,18 @@ def run_command(
         return 1
 
 
-def supervise(script: str, argv: list[str], *, fork: bool = False) -> int | None:
+def supervise(script: str, argv: list[str], *, fork: bool = False, server: TemporaryServer | None = None) -> int | None:
     """Runs `flows/<script>.py` in a child process; afterwards no process it started is left running.
 
     The one place that watches a run's processes. A SIGTERM (`docker stop`, a Kubernetes eviction, `kill PID`)
     is forwarded to the child, which saves and ends (training: `cifar.callbacks.SaveOnSigterm`; elsewhere
     Prefect records the flow run as crashed); the child is killed if it has not ended `STOP_GRACE_SECONDS` later.
     `fork`: the child is a fork of this process and gets None back (it runs the flow); else a new interpreter.
+    `server`: the temporary Prefect server the child's flow runs against (it outlives the child: the caller
+    stops it once the child has recorded how its flow run ended).
     """
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # Its orphans (the Prefect server) become ours to end.
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # Its orphans become ours to end.
     import psutil
 
     if fork:
@@ -194,8 +207,8 @@ def supervise(script: str, argv: list[str], *, fork: bool = False) -> int | None
         child: subprocess.Popen | psutil.Process = psutil.Process(pid)
     else:
         command = [sys.executable, str(REPO_ROOT / "flows" / f"{script}.py"), *argv]
-        child = subprocess.Popen(command, env={**os.environ, SUPERVISED_ENV: "1"})  # Same group: Ctrl-C reaches it.
-    # Only the child: the temporary Prefect server it started must outlive it to record how its flow run ended.
+        environment = {**os.environ, SUPERVISED_ENV: "1", **(server.client_environment() if server else {})}
+        child = subprocess.Popen(command, env=environment)  # Same group: Ctrl-C reaches it.
     deadline, stopping = threading.Timer(STOP_GRACE_SECONDS, child.kill), threading.Event()
     deadline.daemon = True
 
@@ -212,6 +225,8 @@ def supervise(script: str, argv: list[str], *, fork: bool = False) -> int | None
         code = child.wait()
     finally:
         deadline.cancel()
+        if server is not None:  # Asked first (a SIGKILL would cut short what it writes), then ended as the rest.
+            server.stop()
         leftovers = psutil.Process().children(recursive=True)
         for process in leftovers:
             process.kill()
@@ -242,8 +257,9 @@ def stopped_by_sigterm(script: str, code: int) -> int:
     return STOPPED_EXIT_CODE
 
 
-def prepare_ephemeral_database() -> None:
-    """Migrates Prefect's own SQLite database and registers its block types, under a lock, when no server is configured.
+def prepare_ephemeral_database() -> bool:
+    """Migrates Prefect's own SQLite database and registers its block types, under a lock, when no server is
+    configured; whether a run needs a temporary server (no PREFECT_API_URL).
 
     Without a server every run starts a temporary one, which migrates the database under PREFECT_HOME
     and registers Prefect's block types when they are new to it (a fresh machine, an upgraded Prefect);
@@ -252,21 +268,119 @@ def prepare_ephemeral_database() -> None:
     """
     from prefect.settings import get_current_settings
 
-    if get_current_settings().api.url:
-        return
-    url = get_current_settings().server.database.connection_url.get_secret_value()
+    settings = get_current_settings()
+    if settings.api.url:
+        return False
+    if not settings.server.ephemeral.enabled:
+        return False  # Prefect's client says so, naming PREFECT_API_URL, when the flow starts.
+    url = settings.server.database.connection_url.get_secret_value()
     if not url.startswith("sqlite+aiosqlite:///"):
-        return
+        return True
     database = Path(url.removeprefix("sqlite+aiosqlite:///"))
     prepared_for, versions = database.with_name(f".{database.name}.prepared"), prefect_versions()
     with locks.exclusive(database.with_name(f".{database.name}.lock"), f"Prefect's database {database}"):
         if database.exists() and prepared_for.exists() and prepared_for.read_text(encoding="utf-8") == versions:
-            return
+            return True
         command = [sys.executable, str(REPO_ROOT / "flows" / "prefect_database.py")]
         result = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if result.returncode != 0:
             raise RuntimeError(f"could not prepare Prefect's database {database}:\n{result.stderr[-3000:]}")
         prepared_for.write_text(versions, encoding="utf-8")  # Under the lock: nobody reads it half-written.
+    return True
+
+
+class TemporaryServer:
+    """Prefect's temporary server for one command-line run, started beside the run by its supervisor.
+
+    With no PREFECT_API_URL, Prefect's client starts this very server (`SubprocessASGIServer`: uvicorn with
+    Prefect's app factory in ephemeral mode, on PREFECT_HOME's database) from inside the flow's process,
+    after importing Prefect's whole server package there only to do so (~1.5 s of CPU, a quarter of the
+    run's start-up). Started here instead, the run's process imports none of it; the server outlives the
+    run, records how it ended, and is stopped by the supervisor. The command and environment are Prefect's
+    own (tests/test_cli.py compares them, so an upgrade that changes them fails there).
+    """
+
+    def __init__(self, process: subprocess.Popen, port: int) -> None:
+        self.process, self.port = process, port
+        self.api_url = f"http://127.0.0.1:{port}/api"
+
+    @staticmethod
+    def command(port: int) -> list[str]:
+        import prefect
+
+        return [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
+                "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+                "--log-level", "error", "--lifespan", "on"]  # fmt: skip
+
+    @staticmethod
+    def environment() -> dict[str, str]:
+        from prefect.settings import get_current_settings
+
+        server = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        return {**os.environ, **server, **get_current_settings().to_environment_variables(exclude_unset=True)}
+
+    @classmethod
+    def start(cls) -> TemporaryServer:
+        """Starts it on a free port and returns once it answers (RuntimeError with its output if it cannot)."""
+        from prefect.logging import get_logger
+        from prefect.settings import get_current_settings
+
+        from harness.ports import free_port
+
+        timeout = get_current_settings().server.ephemeral.startup_timeout_seconds
+        deadline = time.monotonic() + timeout
+        while True:
+            port = free_port()
+            server = cls(subprocess.Popen(cls.command(port), env=cls.environment()), port)
+            get_logger().info(f"Starting temporary server on http://127.0.0.1:{port}")
+            while time.monotonic() < deadline and server.process.poll() is None and not server.answers():
+                time.sleep(0.1)
+            if server.process.poll() == 3:  # Uvicorn's exit when the port was taken meanwhile: another one.
+                continue
+            if server.process.poll() is None and server.answers():
+                return server
+            server.stop()
+            raise RuntimeError(
+                f"Prefect's temporary server did not start within {timeout:.0f} s "
+                f"(exit status {server.process.returncode}); PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS "
+                "allows longer, or set PREFECT_API_URL to a running server"
+            )
+
+    def answers(self) -> bool:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def client_environment(self) -> dict[str, str]:
+        """The run's Prefect settings: this server's API, and no UI link (the temporary server has no UI)."""
+        return {"PREFECT_API_URL": self.api_url, "PREFECT_UI_URL": ""}
+
+    @staticmethod
+    @contextlib.contextmanager
+    def in_use(server: TemporaryServer | None) -> Iterator[None]:
+        """This process's Prefect client talks to `server` (none: as configured)."""
+        if server is None:
+            yield
+            return
+        from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url, PREFECT_UI_URL: ""}):
+            yield
+
+    def stop(self) -> None:
+        """SIGTERM, 5 s to finish what it writes, then SIGKILL (what Prefect's client does at its exit)."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
 
 def prefect_versions() -> str:

@@ -216,3 +216,17 @@ def test_the_terminal_gets_one_line_of_ours_and_the_log_file_every_line(tmp_path
     assert ("Creating initial MLflow database tables" in terminal) == verbose
     assert "INFO mlflow.store.db.utils: Creating initial MLflow database tables..." in logged
     assert "RuntimeError: the cause" in logged and "A warning of MLflow's" in logged
+
+
+def test_the_temporary_server_is_started_as_prefects_own_client_starts_it(monkeypatch):
+    """The supervisor starts Prefect's temporary server itself (flows.runtime.TemporaryServer), so the run's
+    process need not import Prefect's server package: the same command and environment as Prefect's client."""
+    from flows.runtime import TemporaryServer
+
+    from prefect.server.api import server as prefect_server
+
+    started = {}
+    monkeypatch.setattr(prefect_server.subprocess, "Popen", lambda args, env: started.update(args=args, env=env))
+    prefect_server.SubprocessASGIServer(port=4399)._run_uvicorn_command()
+    assert started["args"] == TemporaryServer.command(4399)
+    assert started["env"] == TemporaryServer.environment()
