@@ -4,8 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
-# Test files run on this many processes, a file on one (its module-scoped servers and runs shared); the
-# slowest files start first (tests/conftest.py). Much of the suite waits on servers and child processes.
+# Tests run on this many processes; the tests sharing a module's fixture (a server, a run) on one, the slowest
+# first, in the order tests/conftest.py gives (xdist's reordering off).
 TEST_WORKERS ?= 2
 
 # Servers for the UI path (README "Run on a Prefect server"): all on 127.0.0.1, any free port.
@@ -52,7 +52,7 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 test: setup system-deps lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The fuzz suite (tests/test_fuzz_*.py) beyond make test's few seeded examples: each door for its share of
 # FUZZ_MINUTES, new seeds every round; failing examples are kept in .hypothesis/examples/ (scripts/fuzz.py).

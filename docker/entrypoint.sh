@@ -42,14 +42,16 @@ fi
 # A flow run whose process dies with its container (killed, evicted, out of memory, the machine lost)
 # reports nothing more: without this it would stay RUNNING forever. Every flow run sends a heartbeat
 # event every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (30 in docker/compose.yaml); a run with no
-# heartbeat and no final state for 90 s is marked CRASHED, and a new run of it resumes from its last
-# checkpoint. (Prefect's documented recipe, "Detect zombie flows"; `Pruned` is our search's final
-# state name for a pruned trial, a Completed state.)
+# heartbeat and no final state for CIFAR_CRASHED_AFTER_SECONDS (90) is marked CRASHED, and a new run of it
+# resumes from its last checkpoint. (Prefect's documented recipe, "Detect zombie flows"; `Pruned` is our
+# search's final state name for a pruned trial, a Completed state.) Made by the first worker of a server:
+# a later change of the window is made in the automation itself (Prefect's UI, Automations).
+crashed_after=${CIFAR_CRASHED_AFTER_SECONDS:-90}
 if ! prefect automation inspect "$zombie_automation" >/dev/null 2>&1; then
     prefect automation create --from-json "$(cat <<JSON
 {
   "name": "$zombie_automation",
-  "description": "Marks a flow run CRASHED when its heartbeats stop for 90 s before it reaches a final state.",
+  "description": "Marks a flow run CRASHED when its heartbeats stop for $crashed_after s before it reaches a final state.",
   "trigger": {
     "type": "event",
     "posture": "Proactive",
@@ -59,10 +61,10 @@ if ! prefect automation inspect "$zombie_automation" >/dev/null 2>&1; then
     "match": {"prefect.resource.id": ["prefect.flow-run.*"]},
     "for_each": ["prefect.resource.id"],
     "threshold": 1,
-    "within": 90
+    "within": $crashed_after
   },
   "actions": [{"type": "change-flow-run-state", "state": "CRASHED",
-               "message": "No heartbeat for 90 s: the flow run's process is gone (container killed or lost)."}]
+               "message": "No heartbeat for $crashed_after s: the flow run's process is gone (container killed or lost)."}]
 }
 JSON
 )" >/dev/null || prefect automation inspect "$zombie_automation" >/dev/null

@@ -594,14 +594,16 @@ def test_crashed_flow_runs_are_detected_by_heartbeats(compose):
     """Workers' flow runs send heartbeats; the entry point's automation marks runs whose heartbeats stop CRASHED."""
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
-    frequencies = set()
-    for name in ("worker", "worker-gpu"):
-        environment = environment_of(compose["services"][name])
-        frequencies.add(int(environment["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"]))
-    [frequency] = frequencies
+    settings = {
+        (environment["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"], environment["CIFAR_CRASHED_AFTER_SECONDS"])
+        for environment in (environment_of(compose["services"][name]) for name in ("worker", "worker-gpu"))
+    }
+    [(frequency, window)] = settings  # The same on every worker (compose's defaults here).
     script = (DOCKER_DIR / "entrypoint.sh").read_text(encoding="utf-8")
+    assert f"crashed_after=${{CIFAR_CRASHED_AFTER_SECONDS:-{window}}}" in script  # The entry point's default.
     name = re.search(r'^zombie_automation="([^"]+)"', script, flags=re.MULTILINE).group(1)
-    body = re.search(r"<<JSON\n(.*?)\nJSON\n", script, flags=re.DOTALL).group(1).replace("$zombie_automation", name)
+    body = re.search(r"<<JSON\n(.*?)\nJSON\n", script, flags=re.DOTALL).group(1)
+    body = body.replace("$zombie_automation", name).replace("$crashed_after", window)
     automation = AutomationCore.model_validate(json.loads(body))
     trigger = automation.trigger
     assert isinstance(trigger, EventTrigger) and trigger.posture == Posture.Proactive
@@ -611,7 +613,7 @@ def test_crashed_flow_runs_are_detected_by_heartbeats(compose):
         trigger.expect
     )
     assert trigger.for_each == {"prefect.resource.id"}
-    assert trigger.within.total_seconds() >= 2 * frequency, "one late heartbeat must not crash a healthy run"
+    assert trigger.within.total_seconds() >= 2 * int(frequency), "one late heartbeat must not crash a healthy run"
     [action] = automation.actions
     assert action.type == "change-flow-run-state" and action.state.value == "CRASHED"
     assert 'prefect automation inspect "$zombie_automation"' in script  # Created once, not on every start.

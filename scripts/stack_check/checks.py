@@ -15,7 +15,7 @@ from scripts.stack_check.cluster_drills import (
     check_stopped_worker,
     check_two_workers,
 )
-from scripts.stack_check.context import Context
+from scripts.stack_check.context import DRILL_TIMINGS, Context
 from scripts.stack_check.drills import check_kill, check_resume, check_search
 from scripts.stack_check.engine import Engine, install_tools
 from scripts.stack_check.images import build_images, choose_bases
@@ -61,6 +61,7 @@ def check_images(context: Context, row: Row) -> None:
         "CIFAR_DATA_DIR": str(context.settings.archive.resolve().parent),
         # Two checks at once on one machine (two branches) build and run their own images.
         "CIFAR_IMAGE_TAG": os.environ.get("CIFAR_IMAGE_TAG", "latest"),
+        **DRILL_TIMINGS,
         **context.bases,
     }
     build_images(context.engine, context.variables, context.settings.gpu, context.report, row)

@@ -124,8 +124,12 @@ def build_images(engine: Engine, variables: dict[str, str], gpu: bool, report: R
         gpu_image = "gpu" in build.dockerfile.name
         target, tag = build.target, build.image
         if gpu_image and not gpu:
-            # Everything but the CUDA layer and the code: the stages shared with the CPU image.
-            target, tag = "dependencies", build.image.rsplit(":", 1)[0] + ":dependencies"
+            # No stage of it runs here (the GPU worker is a compose profile of its own), and its dependency
+            # stage cost 282 s of a Zen 3's CI. tests/test_docker_config.py checks its Dockerfile's contract.
+            report.images.append(ImageRow(tag, f"{build.dockerfile.relative_to(REPO_ROOT)}", "-", None,
+                                          "not built: GPU=1 builds it"))  # fmt: skip
+            notes.append(f"{build.image}: not built (GPU=1)")
+            continue
         argv = ["build", "-f", build.dockerfile, "-t", tag, *secret]
         if target:
             argv += ["--target", target]
@@ -140,10 +144,7 @@ def build_images(engine: Engine, variables: dict[str, str], gpu: bool, report: R
             engine("rmi", previous, check=False, timeout=120)  # The superseded image; its shared layers stay.
         source = f"{build.dockerfile.relative_to(REPO_ROOT)}" + (f" --target {target}" if target else "")
         note = "cached" if previous == current else ""
-        if gpu_image and not gpu:
-            note = "CUDA layer and code not built (GPU=1 builds them)"
-            notes.append(f"{build.image}: to stage `dependencies` only")
-        elif gpu_image:
+        if gpu_image:
             note = f"{gpu_probe(engine, tag)}; not run on a GPU"
         report.images.append(ImageRow(tag, source, human_size(engine.image_size(tag)), seconds, note))
     row.detail = f"{len(report.images)} images; CA bundle as build secret: {'yes' if secret else 'no'}" + (

@@ -14,7 +14,7 @@ import time
 from cifar.summary import PipelineSummary
 from harness import REPO_ROOT
 from harness.compose import DOCKER_DIR, write_env_file
-from scripts.stack_check.context import Context
+from scripts.stack_check.context import DRILL_TIMINGS, Context
 from scripts.stack_check.pipeline import MODEL_NAME
 from scripts.stack_check.report import Row
 from scripts.stack_check.shell import StepError, last_line
@@ -58,7 +58,7 @@ def start_remote_worker(context: Context) -> str:
         "inspect", "--format", f'{{{{(index .NetworkSettings.Networks "{network}").IPAddress}}}}', proxy, timeout=60
     ).stdout.strip()
     names = ("PREFECT_AUTH_STRING", "MLFLOW_WORKER_USERNAME", "MLFLOW_WORKER_PASSWORD", "CIFAR_DATA_DIR",
-             "CIFAR_IMAGE_TAG", "CIFAR_PYTHON_IMAGE")  # fmt: skip
+             "CIFAR_IMAGE_TAG", "CIFAR_PYTHON_IMAGE", *DRILL_TIMINGS)  # fmt: skip
     variables = {name: stack.variables[name] for name in names if name in stack.variables}
     variables.update(CIFAR_FRONT_DOOR=REMOTE_NAME, CIFAR_CA_BUNDLE=str(stack.ca_file))
     # On this network the worker meets the proxy container itself, on its own ports (another machine meets
