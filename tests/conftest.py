@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -68,6 +69,16 @@ def shares_a_module_fixture(item) -> bool:
         for chain in definitions.name2fixturedefs.values()
         for definition in chain
     )
+
+
+@pytest.fixture(autouse=True)
+def float32_policy_afterwards():
+    """A training in this process sets Keras's global precision policy (cifar.performance); every test leaves
+    float32 behind, so none depends on which tests ran before it in the same process."""
+    yield
+    keras = sys.modules.get("keras")
+    if keras is not None and keras.mixed_precision.global_policy().name != "float32":
+        keras.mixed_precision.set_global_policy("float32")
 
 
 @pytest.fixture(scope="session")

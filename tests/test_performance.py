@@ -27,13 +27,6 @@ def own_precision_cache(tmp_path, monkeypatch):
     monkeypatch.setenv(performance.PRECISION_CACHE_ENV, str(tmp_path / "cache"))
 
 
-@pytest.fixture(autouse=True)
-def float32_policy_afterwards():
-    """configure_performance sets a global policy; every test leaves float32 behind."""
-    yield
-    keras.mixed_precision.set_global_policy("float32")
-
-
 @pytest.fixture
 def machine(monkeypatch):
     """Pretends to be a given machine: `machine(cpu_bf16=..., gpus=[(major, minor), ...])`."""
