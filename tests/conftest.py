@@ -50,13 +50,22 @@ SLOWEST_FIRST = (
 )
 
 
-@pytest.hookimpl(tryfirst=True)  # Before xdist's own hook reads the groups.
+def pytest_itemcollected(item):
+    if not shares_a_module_fixture(item):
+        return
+    item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    if item.config.getvalue("loadgroup"):  # An xdist worker of `--dist loadgroup` (make test).
+        # xdist 3.8 tells its scheduler the group through the node id (`path::test@group`), which it writes to
+        # `item._nodeid`; pytest 9.2 keeps node ids in `item._id`, so the group never arrived and every test
+        # ran as a unit of its own (a module's fixture made on both processes). Written where pytest reads it.
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{item.path.stem}")
+
+
 def pytest_collection_modifyitems(config, items):
     rank = {name: position for position, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # Stable: order within a file kept.
-    for item in items:
-        if shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 def shares_a_module_fixture(item) -> bool:
