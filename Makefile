@@ -19,7 +19,7 @@ MODEL ?= models:/cifar10@champion
 # Framework start-up lines and offline telemetry stay out of the logs; CIFAR_VERBOSE=1 lets them through.
 QUIET := $(if $(filter 1,$(CIFAR_VERBOSE)),,TF_CPP_MIN_LOG_LEVEL=2 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false)
 
-.PHONY: setup run test fuzz lint format clean bench system-deps server deploy worker mlflow-ui serve search ui-check stack-check \
+.PHONY: setup run test fuzz lint format clean bench server deploy worker mlflow-ui serve search ui-check stack-check \
 	stack-env stack-ca backup restore
 
 setup: $(VENV)/.installed
@@ -38,10 +38,6 @@ PRESET ?= fast
 run: setup
 	$(PY) flows/pipeline.py $(if $(PRESET),--preset $(PRESET)) $(ARGS)
 
-# PostgreSQL for tests/test_postgres_stack.py: apt-installed when missing, a ~5 ms no-op when present.
-system-deps:
-	bash scripts/postgres.sh install || echo "PostgreSQL could not be installed; tests/test_postgres_stack.py will be skipped" >&2
-
 # Ruff (configured in pyproject.toml): lint rules and the formatter's check; `make format` applies both fixes.
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -51,7 +47,7 @@ format: setup
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-test: setup system-deps lint
+test: setup lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The fuzz suite (tests/test_fuzz_*.py) beyond make test's few seeded examples: each door for its share of

@@ -8,6 +8,7 @@ key: a new place; `refresh`: the work again (docs/ARCHITECTURE.md, "Reuse: one r
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import threading
 from collections.abc import Iterable
@@ -47,7 +48,7 @@ def module_path(module: str) -> Path | None:
     return None
 
 
-def parse_source(path: Path) -> ast.Module:
+def parse_source(source: bytes, filename: str) -> ast.Module:
     """The syntax tree of a source file, safe from threads.
 
     CPython 3.11 keeps the AST constructor's recursion depth per interpreter, not per thread
@@ -56,19 +57,25 @@ def parse_source(path: Path) -> ast.Module:
     made a task's cache key fail in CI. Ours parse one at a time, and once more if another library's
     parse still raced this one (the depth is reset at the start of every parse).
     """
-    source = path.read_bytes()
     with PARSE_LOCK:
         try:
-            return ast.parse(source, filename=str(path))
+            return ast.parse(source, filename=filename)
         except SystemError:
-            return ast.parse(source, filename=str(path))
+            return ast.parse(source, filename=filename)
 
 
 def imported_modules(path: Path, module: str) -> set[str]:
     """The `cifar` modules a source file imports anywhere (top level or inside functions)."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    return set(_imports_in_source(path.read_bytes(), str(path), module, path.name == "__init__.py"))
+
+
+@functools.lru_cache(maxsize=512)
+def _imports_in_source(source: bytes, filename: str, module: str, is_package: bool) -> frozenset[str]:
+    """`imported_modules` of these bytes, remembered by content: a run asks for a key per stage, each over
+    the same few dozen files (parsing them every time was ~0.5 s of every pipeline run's CPU)."""
+    package = module if is_package else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(parse_source(path)):
+    for node in ast.walk(parse_source(source, filename)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -78,7 +85,7 @@ def imported_modules(path: Path, module: str) -> set[str]:
                 base = f"{parent}.{base}" if base else parent
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)  # `from cifar import io`.
-    return {name for name in found if name == PACKAGE or name.startswith(f"{PACKAGE}.")}
+    return frozenset(name for name in found if name == PACKAGE or name.startswith(f"{PACKAGE}."))
 
 
 def module_closure(module: str) -> dict[str, Path]:

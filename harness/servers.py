@@ -79,13 +79,16 @@ def start_prefect_server(
     return handle
 
 
-def deploy_project(server: ServerHandle, pool: str, training_slots: int = 1) -> dict[str, str]:
+def deploy_project(
+    server: ServerHandle, pool: str, training_slots: int = 1, names: Sequence[str] = ()
+) -> dict[str, str]:
     """What `make deploy` does on `server`: the process pool, the `training` limit, every deployment of
-    prefect.yaml. Returns the clients' environment."""
+    prefect.yaml (or those `names`, as `prefect deploy --name`). Returns the clients' environment."""
     env = server.client_env()
     run_cli(["prefect", "work-pool", "create", pool, "--type", "process"], env=env)
     run_cli(["prefect", "concurrency-limit", "create", "training", str(training_slots)], env=env)
-    run_cli(["prefect", "--no-prompt", "deploy", "--all"], env=env, cwd=REPO_ROOT)
+    chosen = [word for name in names for word in ("--name", name)] or ["--all"]
+    run_cli(["prefect", "--no-prompt", "deploy", *chosen], env=env, cwd=REPO_ROOT)
     return env
 
 

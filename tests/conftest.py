@@ -40,7 +40,6 @@ SLOWEST_FIRST = (
     "test_prefect_server.py",
     "test_continuous_training.py",
     "test_multiworker.py",
-    "test_postgres_stack.py",
     "test_reuse_pipeline.py",
     "test_flow_local.py",
     "test_resume.py",

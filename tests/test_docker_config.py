@@ -3,7 +3,7 @@
 No Docker engine is needed. The compose file is read the way `docker compose config` reads it (YAML plus
 `${VAR}` interpolation from docker/.env, here docker/env.example), and every name in it is checked
 against what actually reads it: Prefect's settings, `mlflow server`'s options, the postgres image, our
-code. tests/test_postgres_stack.py runs the same services for real against PostgreSQL.
+code. `make stack-check` runs the same services for real, in containers.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ POSTGRES_IMAGE_VARIABLES = {
 INITDB_DIR = "/docker-entrypoint-initdb.d"
 
 
-# --- Compose: loading (shared with tests/test_postgres_stack.py) ------------------------------------------
+# --- Compose: loading -----------------------------------------------------------------------------------
 
 
 def load_compose(variables: dict[str, str] | None = None) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 # Creates the Prefect and MLflow databases on one PostgreSQL server (idempotent).
 #
 # The postgres image runs this once, on an empty volume, from /docker-entrypoint-initdb.d (where it
-# connects over the local socket as POSTGRES_USER). tests/test_postgres_stack.py runs the same file
-# against a throwaway server with PGHOST/PGPORT/PGPASSWORD set.
+# connects over the local socket as POSTGRES_USER). It also runs against any server given
+# PGHOST/PGPORT/PGPASSWORD.
 set -euo pipefail
 
 : "${POSTGRES_USER:?}" "${CIFAR_PREFECT_DB:?}" "${CIFAR_MLFLOW_DB:?}"

@@ -64,6 +64,15 @@ def check_sign_in(context: Context, row: Row) -> None:
         if answers["none"] != 401 or answers["wrong"] != 401 or answers.get("right", 200) >= 400:
             raise StepError(f"{name} {method} {url}: {answers}")
         results.append(name)
+    # The UIs' pages: Prefect's is served to anyone (the page asks for the auth string, which its API calls
+    # carry); MLflow's only after sign-in, to the viewer as well.
+    pages = {
+        "Prefect UI": stack.client.get(stack.prefect_url.removesuffix("/api") + "/"),
+        "MLflow UI (viewer)": stack.client.get(f"{stack.mlflow_url}/", auth=stack.credentials("mlflow-viewer")),
+    }
+    for name, page in pages.items():
+        if page.status_code != 200 or "<html" not in page.text.lower():
+            raise StepError(f"{name}: HTTP {page.status_code}, {page.text[:100]!r}")
     prefect_user, prefect_password = stack.credentials("prefect")
     wrong_token = f"{prefect_user}:{prefect_password[::-1]}"
     refused = {
@@ -71,7 +80,8 @@ def check_sign_in(context: Context, row: Row) -> None:
         "wrong": prefect_websocket_refuses(stack, wrong_token),
     }
     row.detail = (
-        f"401 without and with wrong credentials, 2xx with the right ones: {', '.join(results)}; Prefect event "
+        f"401 without and with wrong credentials, 2xx with the right ones: {', '.join(results)}; pages served: "
+        f"{', '.join(pages)}; Prefect event "
         f"websocket: {', '.join(f'{key} {value}' for key, value in refused.items())}"
     )
 

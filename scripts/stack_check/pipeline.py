@@ -62,6 +62,8 @@ def check_mlflow(context: Context, row: Row) -> None:
     metrics = {metric["key"]: metric["value"] for metric in run["data"].get("metrics", [])}
     if run["info"]["status"] != "FINISHED" or "test_accuracy" not in metrics:
         raise StepError(f"MLflow run {run_id}: {run['info']['status']}, metrics {sorted(metrics)}")
+    if not run["info"]["artifact_uri"].startswith("mlflow-artifacts:"):  # Through the server, not a client path.
+        raise StepError(f"MLflow run {run_id} keeps its artifacts at {run['info']['artifact_uri']}")
     if abs(metrics["test_accuracy"] - summary.evaluation.test_accuracy) > 1e-6:
         raise StepError(
             f"MLflow has test_accuracy {metrics['test_accuracy']}, the run wrote {summary.evaluation.test_accuracy}"
