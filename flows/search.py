@@ -33,6 +33,7 @@ from cifar.config import ConfigOverrides, PipelineConfig, TrialLink, resolve_wor
 from cifar.preflight import check_request
 from cifar.search import results as search_results
 from cifar.search import study as studies
+from cifar.search.results import BestTrial, SearchSummary
 from cifar.search.space import OBJECTIVE, SPACE_PRESETS, SearchSpace, load_space
 from cifar.tracking import mlflow_client, resolve_tracking_uri
 from flows.cli import add_run_arguments, add_set_argument, config_from_args, describe_validation_error, flow_parser
@@ -149,34 +150,33 @@ def warn_if_trainings_serialise(parallel: int) -> None:
 
 
 def evaluate_best(
-    best: dict[str, Any], *, base: dict[str, Any], workdir: str, until: str, deployment: str, tracking_uri: str
-) -> dict[str, Any]:
+    best: BestTrial, *, base: dict[str, Any], workdir: str, until: str, deployment: str, tracking_uri: str
+) -> BestTrial:
     """Runs the best trial's settings to `until` as an ordinary `cifar` run (its training is reused)."""
-    parameters = trial_parameters(base, best["params"], workdir, until)
-    flow_run = run_deployment(deployment, parameters=parameters, flow_run_name=f"best-trial-{best['number']}")
+    parameters = trial_parameters(base, best.params, workdir, until)
+    flow_run = run_deployment(deployment, parameters=parameters, flow_run_name=f"best-trial-{best.number}")
     if flow_run.state is None or not flow_run.state.is_completed():
         message = flow_run.state.message if flow_run.state else "no state"
         raise RuntimeError(f"the best trial's {until} run {flow_run.name} did not complete: {message}")
-    outcome: dict[str, Any] = {"flow_run_id": str(flow_run.id), "until": until}
-    if best.get("mlflow_run_id"):
-        metrics = mlflow_client(tracking_uri).get_run(best["mlflow_run_id"]).data.metrics
-        outcome["test_accuracy"] = metrics.get("test_accuracy")
+    evaluated = best.model_copy(update={"flow_run_id": str(flow_run.id), "until": until})
+    if best.mlflow_run_id:
+        metrics = mlflow_client(tracking_uri).get_run(best.mlflow_run_id).data.metrics
+        evaluated.test_accuracy = metrics.get("test_accuracy")
         if until == "export":
-            outcome["registered_model_version"] = registered_version(tracking_uri, best["mlflow_run_id"])
-    return outcome
+            evaluated.registered_model_version = registered_version(tracking_uri, best.mlflow_run_id)
+    return evaluated
 
 
-def record_best(
-    summary: dict[str, Any], outcome: dict[str, Any], workdir: str, tracking_uri: str, parent_run_id: str
-) -> None:
+def record_best(summary: SearchSummary, best: BestTrial, tracking_uri: str) -> SearchSummary:
     """The best trial's evaluation in search-summary.json and on the MLflow parent run."""
-    summary["best"] |= outcome
-    search_results.write_summary(summary, workdir)
+    summary = summary.model_copy(update={"best": best})
+    search_results.write_summary(summary, summary.workdir)
     client = mlflow_client(tracking_uri)
-    if outcome.get("test_accuracy") is not None:
-        client.log_metric(parent_run_id, "best_test_accuracy", outcome["test_accuracy"])
-    if outcome.get("registered_model_version") is not None:
-        client.set_tag(parent_run_id, "best_registered_version", str(outcome["registered_model_version"]))
+    if best.test_accuracy is not None:
+        client.log_metric(summary.parent_run_id, "best_test_accuracy", best.test_accuracy)
+    if best.registered_model_version is not None:
+        client.set_tag(summary.parent_run_id, "best_registered_version", str(best.registered_model_version))
+    return summary
 
 
 @flow(name="cifar-search", log_prints=True)
@@ -189,7 +189,7 @@ def cifar_search(
     until: SearchUntil = "export",
     deployment: str = TRIAL_DEPLOYMENT,
     storage: str | None = None,
-) -> dict[str, Any] | DryRunPlan:
+) -> SearchSummary | DryRunPlan:
     """Runs `trials` trials of the search space, `parallel` at a time, then evaluates and registers the best.
 
     `space` is a preset (smoke, resnet, grid) or a JSON/YAML file; `storage` the study's store (default:
@@ -222,39 +222,38 @@ def cifar_search(
     )
     for number in dispatcher.run(target, parallel):
         row = search_results.trial_row(study.trials[number])
-        print(f"Trial {number} {row['state']}: {OBJECTIVE} {row['value']} after {row['epochs_reported']} epochs")
+        print(f"Trial {number} {row.state}: {OBJECTIVE} {row.value} after {row.epochs_reported} epochs")
         attach_trial_run(tracking_uri, parent_run_id, study_name, row)
     for row in search_results.trial_rows(study):  # Every child nested, also those of an earlier attempt.
         attach_trial_run(tracking_uri, parent_run_id, study_name, row)
 
-    extra = {"preset": resolved.preset, "space": search_space.model_dump(mode="json"), "until": until}
-    extra |= {"trials_requested": target, "parallel": parallel, "deployment": deployment, "workdir": workdir}
-    summary = close_search(study, workdir, tracking_uri, parent_run_id, storage, extra)
-    if summary["best"] and until != "train":
-        outcome = evaluate_best(
-            summary["best"], base=base, workdir=workdir, until=until, deployment=deployment, tracking_uri=tracking_uri
+    context = {"preset": resolved.preset, "space": search_space.model_dump(mode="json"), "until": until}
+    context |= {"trials_requested": target, "parallel": parallel, "deployment": deployment, "workdir": workdir}
+    summary = close_search(study, workdir, tracking_uri, parent_run_id, storage, context)
+    if summary.best and until != "train":
+        best = evaluate_best(
+            summary.best, base=base, workdir=workdir, until=until, deployment=deployment, tracking_uri=tracking_uri
         )
-        record_best(summary, outcome, workdir, tracking_uri, parent_run_id)
+        summary = record_best(summary, best, tracking_uri)
     print(format_search(summary))
     return summary
 
 
-def format_search(summary: dict[str, Any]) -> str:
+def format_search(summary: SearchSummary) -> str:
     """A few human lines: the counts, the best trial and where everything is."""
-    counts = summary["counts"]
+    counts, best = summary.counts, summary.best
     lines = [
-        f"cifar search done: study {summary['study_name']} ({summary['storage']})",
-        f"  trials     {counts['COMPLETE']} complete, {counts['PRUNED']} pruned, {counts['FAIL']} failed",
+        f"cifar search done: study {summary.study_name} ({summary.storage})",
+        f"  trials     {counts.complete} complete, {counts.pruned} pruned, {counts.failed} failed",
     ]
-    best = summary.get("best")
     if best:
-        lines.append(f"  best       trial {best['number']}: {OBJECTIVE} {best['value']:.4f} {best['params']}")
-        if best.get("test_accuracy") is not None:
-            lines.append(f"  test       accuracy {100 * best['test_accuracy']:.2f} %")
-        if best.get("registered_model_version") is not None:
-            lines.append(f"  registry   version {best['registered_model_version']}")
-    lines.append(f"  mlflow     parent run {summary['parent_run_id']}")
-    lines.append(f"  summary    {Path(summary['workdir']) / search_results.SUMMARY_NAME}")
+        lines.append(f"  best       trial {best.number}: {OBJECTIVE} {best.value:.4f} {best.params}")
+        if best.test_accuracy is not None:
+            lines.append(f"  test       accuracy {100 * best.test_accuracy:.2f} %")
+        if best.registered_model_version is not None:
+            lines.append(f"  registry   version {best.registered_model_version}")
+    lines.append(f"  mlflow     parent run {summary.parent_run_id}")
+    lines.append(f"  summary    {summary.summary_path}")
     return "\n".join(lines)
 
 

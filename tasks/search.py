@@ -85,7 +85,7 @@ def open_search_run(
 
 
 @task(name="attach-trial-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def attach_trial_run(tracking_uri: str, parent_run_id: str, study_name: str, row: dict[str, Any]) -> None:
+def attach_trial_run(tracking_uri: str, parent_run_id: str, study_name: str, row: results.TrialRow) -> None:
     """Nests a finished trial's MLflow run under the parent and tags it with the trial's number and state.
 
     A pruned trial's run keeps the status training gave it (FINISHED: every epoch it trained is
@@ -93,56 +93,57 @@ def attach_trial_run(tracking_uri: str, parent_run_id: str, study_name: str, row
     """
     from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 
-    if not row.get("mlflow_run_id"):
+    if not row.mlflow_run_id:
         return
     client = mlflow_client(tracking_uri)
     tags = {
         MLFLOW_PARENT_RUN_ID: parent_run_id,
         "cifar.search": "trial",
         "cifar.study": study_name,
-        "cifar.trial_number": str(row["number"]),
-        TRIAL_STATE_TAG: row["state"],
+        "cifar.trial_number": str(row.number),
+        TRIAL_STATE_TAG: row.state,
     }
     for key, value in tags.items():
-        client.set_tag(row["mlflow_run_id"], key, value)
+        client.set_tag(row.mlflow_run_id, key, value)
 
 
 @task(name="close-search", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def close_search(
-    study, workdir: str, tracking_uri: str, parent_run_id: str, storage: str, extra: dict[str, Any]
-) -> dict[str, Any]:
+    study, workdir: str, tracking_uri: str, parent_run_id: str, storage: str, context: dict[str, Any]
+) -> results.SearchSummary:
     """Plots, `WORKDIR/search-summary.json` and the table artifact; the parent run gets them and ends."""
-    summary = results.build_summary(study, storage=storage, parent_run_id=parent_run_id, **extra)
     plots = results.write_plots(study, studies.search_dir(workdir) / study.study_name)
-    summary["plots"] = [str(path) for path in plots]
+    summary = results.build_summary(
+        study, storage=storage, parent_run_id=parent_run_id, plots=[str(path) for path in plots], **context
+    )
     summary_path = results.write_summary(summary, workdir)
 
     client = mlflow_client(tracking_uri)
     for path in plots:
         client.log_artifact(parent_run_id, str(path), artifact_path="plots")
     client.log_artifact(parent_run_id, str(summary_path))
-    for state, count in summary["counts"].items():
+    for state, count in summary.counts.model_dump().items():  # By Optuna's state names: trials_complete, ...
         client.log_metric(parent_run_id, f"trials_{state.lower()}", count)
-    best = summary["best"]
+    best = summary.best
     if best:
-        client.log_metric(parent_run_id, f"best_{OBJECTIVE}", best["value"])
-        client.set_tag(parent_run_id, "best_trial", str(best["number"]))
-        if best["mlflow_run_id"]:
-            client.set_tag(parent_run_id, "best_child_run_id", best["mlflow_run_id"])
+        client.log_metric(parent_run_id, f"best_{OBJECTIVE}", best.value)
+        client.set_tag(parent_run_id, "best_trial", str(best.number))
+        if best.mlflow_run_id:
+            client.set_tag(parent_run_id, "best_child_run_id", best.mlflow_run_id)
     client.set_terminated(parent_run_id, status="FINISHED")
 
     table = [
         {
-            "trial": row["number"],
-            "state": row["state"],
-            OBJECTIVE: row["value"],
-            "epochs": row["epochs_reported"],
-            **{f"{name}": value for name, value in row["params"].items()},
-            "mlflow_run_id": row["mlflow_run_id"],
+            "trial": row.number,
+            "state": row.state,
+            OBJECTIVE: row.value,
+            "epochs": row.epochs_reported,
+            **{f"{name}": value for name, value in row.params.items()},
+            "mlflow_run_id": row.mlflow_run_id,
         }
-        for row in summary["trials"]
+        for row in summary.trials
     ]
-    best_text = f"trial {best['number']} ({OBJECTIVE} {best['value']:.4f})" if best else "none"
+    best_text = f"trial {best.number} ({OBJECTIVE} {best.value:.4f})" if best else "none"
     create_table_artifact(table, key="cifar-search", description=f"Study {study.study_name}; best: {best_text}")
     return summary
 

@@ -53,7 +53,8 @@ def pytest_itemcollected(item):
     if not shares_a_module_fixture(item):
         return
     item.add_marker(pytest.mark.xdist_group(item.path.stem))
-    if item.config.getvalue("loadgroup"):  # An xdist worker of `--dist loadgroup` (make test).
+    # Set by xdist on its workers of `--dist loadgroup` (make test) only: absent in a plain `pytest tests/x.py`.
+    if getattr(item.config.option, "loadgroup", False):
         # xdist 3.8 tells its scheduler the group through the node id (`path::test@group`), which it writes to
         # `item._nodeid`; pytest 9.2 keeps node ids in `item._id`, so the group never arrived and every test
         # ran as a unit of its own (a module's fixture made on both processes). Written where pytest reads it.

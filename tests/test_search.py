@@ -191,21 +191,19 @@ def test_trials_report_prune_and_tell_their_outcome_in_a_shared_journal(tmp_path
     assert studies.count_finished(reopened) == 3 and studies.running_trials(reopened) == {}
 
     summary = results.build_summary(reopened, storage=storage, parent_run_id="parent")
-    assert [(row["number"], row["state"]) for row in summary["trials"]] == [(0, "COMPLETE"), (1, "PRUNED"), (2, "FAIL")]
-    assert summary["trials"][1]["params"] == params and summary["trials"][1]["mlflow_run_id"] == "run-1"
-    assert summary["trials"][2]["failure"] == "flow run x ended Crashed"
-    assert summary["best"] == {
-        "number": 0,
-        "params": summary["trials"][0]["params"],
-        "value": 0.6,
-        "mlflow_run_id": "run-0",
-        "run_name": "r0",
-    }
-    for row in summary["trials"]:
-        assert datetime.fromisoformat(row["started"]).utcoffset().total_seconds() == 0
-        assert row["finished"].endswith("Z")
+    assert [(row.number, row.state) for row in summary.trials] == [(0, "COMPLETE"), (1, "PRUNED"), (2, "FAIL")]
+    assert summary.trials[1].params == params and summary.trials[1].mlflow_run_id == "run-1"
+    assert summary.trials[2].failure == "flow run x ended Crashed"
+    assert summary.best == results.BestTrial(
+        number=0, params=summary.trials[0].params, value=0.6, mlflow_run_id="run-0", run_name="r0"
+    )
+    for row in summary.trials:
+        assert datetime.fromisoformat(row.started).utcoffset().total_seconds() == 0
+        assert row.finished.endswith("Z")
     path = results.write_summary(summary, tmp_path)
-    assert json.loads(path.read_text())["counts"] == {"COMPLETE": 1, "PRUNED": 1, "FAIL": 1}
+    written = json.loads(path.read_text())
+    assert written["counts"] == {"COMPLETE": 1, "PRUNED": 1, "FAIL": 1}
+    assert results.SearchSummary.model_validate(written) == summary  # The file reads back as the same summary.
 
     other = PRUNING_SPACE.model_copy(update={"sampler": "random"})
     with pytest.raises(ValueError, match="was made for another search space"):
@@ -333,7 +331,7 @@ def finished_trials(journal: Path) -> dict[int, str]:
         study = optuna.load_study(study_name=name, storage=studies.open_storage(str(journal)))
     except ValueError:
         return {}
-    return {row["number"]: row["finished"] for row in results.trial_rows(study) if row["finished"]}
+    return {row.number: row.finished for row in results.trial_rows(study) if row.finished}
 
 
 @pytest.fixture(scope="module")
