@@ -121,6 +121,9 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
     return shlex.join(["python", f"bench/{script}", *(argv if argv is not None else sys.argv[1:])])
 
 
+SUPERSEDED_HEADING = "## Pilots and superseded sittings"  # docs/BENCHMARKS.md's last section.
+
+
 def write_section(heading: str, body: str, path: Path = DOCS_PATH) -> None:
     """Replaces (or appends) the `heading` section (`## ...`) of the docs, keeping every other section."""
     if not heading.startswith("## "):
@@ -130,6 +133,9 @@ def write_section(heading: str, body: str, path: Path = DOCS_PATH) -> None:
     pattern = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
     if pattern.search(text):
         text = pattern.sub(lambda _: section + "\n", text, count=1).rstrip() + "\n"
+    elif f"\n{SUPERSEDED_HEADING}\n" in text:  # A new section joins today's results, above the old sittings.
+        before, after = text.split(f"\n{SUPERSEDED_HEADING}\n", 1)
+        text = f"{before.rstrip()}\n\n{section}\n{SUPERSEDED_HEADING}\n{after}"
     else:
         text = text.rstrip() + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)
