@@ -11,12 +11,14 @@ from __future__ import annotations
 import fnmatch
 import importlib.metadata
 import json
+import os
 import re
 import shlex
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import yaml
@@ -617,6 +619,21 @@ def test_crashed_flow_runs_are_detected_by_heartbeats(compose):
     [action] = automation.actions
     assert action.type == "change-flow-run-state" and action.state.value == "CRASHED"
     assert 'prefect automation inspect "$zombie_automation"' in script  # Created once, not on every start.
+
+
+def test_the_stack_checks_shorter_timings_are_ones_prefect_accepts():
+    """The drills' heartbeat, poll and crash window (scripts/stack_check) as the worker's Prefect reads them."""
+    from prefect.settings import Settings
+
+    from scripts.stack_check.context import DRILL_TIMINGS
+
+    heartbeat, window = int(DRILL_TIMINGS["CIFAR_HEARTBEAT_SECONDS"]), int(DRILL_TIMINGS["CIFAR_CRASHED_AFTER_SECONDS"])
+    environment = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(heartbeat)}
+    environment["PREFECT_WORKER_QUERY_SECONDS"] = DRILL_TIMINGS["CIFAR_WORKER_POLL_SECONDS"]
+    with mock.patch.dict(os.environ, environment):
+        settings = Settings()  # A value Prefect refuses (a heartbeat under 30 s) stops the worker's start here.
+    assert settings.flows.heartbeat_frequency == heartbeat and settings.worker.query_seconds == 1
+    assert window >= 2 * heartbeat, "one late heartbeat must not crash a healthy run"
 
 
 def test_postgres_standin_keeps_the_official_image_contract(compose):
