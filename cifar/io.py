@@ -16,6 +16,17 @@ CHUNK_BYTES = 1 << 20  # Read files in 1 MiB chunks when hashing.
 HEX_LENGTHS = {"sha256": 64, "md5": 32}  # Hex characters of each digest the pipeline checks.
 
 
+CACHE_DIR_ENV = "CIFAR_CACHE_DIR"  # What this machine remembers between runs; default ~/.cache/cifar.
+
+
+def cache_directory() -> Path:
+    """$CIFAR_CACHE_DIR, else $XDG_CACHE_HOME/cifar or ~/.cache/cifar (not created here)."""
+    directory = os.environ.get(CACHE_DIR_ENV)
+    if not directory:
+        directory = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cifar"
+    return Path(directory)
+
+
 def normalise_digest(algorithm: str, digest: str | None) -> str | None:
     """The lower-cased hex digest (None stays None), or a ValueError naming what is wrong with it."""
     if digest is None:

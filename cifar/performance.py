@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from cifar import locks
 from cifar.config import TrainConfig
-from cifar.io import atomic_write_json, read_json
+from cifar.io import atomic_write_json, cache_directory, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,6 @@ def configure_performance(
 # bfloat16 must beat float32 by this much to be chosen: float32 is exact, and a smaller gain is within
 # the noise of a few timed steps on a shared machine.
 BF16_MIN_SPEEDUP = 1.05
-PRECISION_CACHE_ENV = "CIFAR_CACHE_DIR"  # Where measured choices are remembered (default ~/.cache/cifar).
 MEASURED_PRECISIONS = ("float32", "mixed_bfloat16")
 MEASURE_BATCH_SIZE = 128  # Images per timed step (the run's batch when smaller).
 MEASURE_WARMUP_STEPS = 3  # Tracing and oneDNN primitive creation happen here, untimed.
@@ -185,12 +184,8 @@ MEASURE_MIN_SECONDS = 2.0
 
 
 def precision_cache_path() -> Path:
-    """The file that remembers measured choices: $CIFAR_CACHE_DIR, else $XDG_CACHE_HOME/cifar or ~/.cache/cifar."""
-    directory = os.environ.get(PRECISION_CACHE_ENV)
-    if not directory:
-        base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-        directory = Path(base) / "cifar"
-    return Path(directory) / "precision.json"
+    """The file that remembers measured choices, in this machine's cache directory (cifar.io)."""
+    return cache_directory() / "precision.json"
 
 
 def cpu_model_name(cpuinfo_path: str | Path = "/proc/cpuinfo") -> str:

@@ -320,3 +320,39 @@ def test_sigterm_to_the_command_during_training_saves_and_the_same_command_resum
     assert client.get_run(training.mlflow_run_id).info.status == "FINISHED"
     index = json.loads(Path(training.checkpoint_dir, "index.json").read_text())
     assert index["partial"] is None and [entry["epoch"] for entry in index["entries"]][-1] == 3
+
+
+def test_a_new_store_copied_from_the_empty_one_is_the_store_mlflow_would_have_made(tmp_path, monkeypatch):
+    from cifar import tracking
+
+    def schema_and_experiments(path: Path) -> tuple[set, list]:
+        with contextlib.closing(sqlite3.connect(path)) as connection:
+            schema = set(connection.execute("SELECT type, name, sql FROM sqlite_master").fetchall())
+            revision = connection.execute("SELECT version_num FROM alembic_version").fetchall()
+            experiments = connection.execute("SELECT experiment_id, name, artifact_location FROM experiments")
+            return schema | {("revision", *revision)}, experiments.fetchall()
+
+    monkeypatch.setenv("CIFAR_CACHE_DIR", str(tmp_path / "cache"))
+    uri = f"sqlite:///{tmp_path / 'first' / 'mlflow.db'}"
+    (tmp_path / "first").mkdir()
+    monkeypatch.chdir(tmp_path / "first")  # Where MLflow puts the Default experiment's artifacts: ./mlruns.
+    tracking.mlflow_client(uri)  # Makes the cache's empty store, then copies it.
+    (template,) = (tmp_path / "cache" / "mlflow-stores").glob("empty-*.db")
+    assert schema_and_experiments(template)[1] == []  # No Default experiment naming where it was made.
+
+    migrated = tmp_path / "migrated"
+    migrated.mkdir()
+    monkeypatch.chdir(migrated)
+    import mlflow
+
+    mlflow.MlflowClient(tracking_uri=f"sqlite:///{migrated / 'mlflow.db'}").search_experiments()  # MLflow alone.
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    uri = f"sqlite:///{copied / 'mlflow.db'}"
+    assert tracking.ensure_experiment(uri, copied, "cifar10") == "1"  # As in a migrated store: 0 is Default.
+    copied_schema, copied_experiments = schema_and_experiments(copied / "mlflow.db")
+    migrated_schema, migrated_experiments = schema_and_experiments(migrated / "mlflow.db")
+    assert copied_schema == migrated_schema
+    assert copied_experiments[0] == (0, "Default", str(migrated / "mlruns" / "0"))  # This store's own.
+    assert migrated_experiments == [(0, "Default", str(migrated / "mlruns" / "0"))]
+    assert not list(copied.glob(".*.partial"))
