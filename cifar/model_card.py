@@ -64,7 +64,9 @@ class CardInputs:
     manifest: Manifest
     evaluation: EvaluationMetrics
     comparison: Comparison
-    robustness: dict[str, float]  # Perturbation -> test accuracy.
+    robustness: dict[str, float]  # Perturbation -> test accuracy on the robustness images.
+    robustness_examples: int  # The first N test images: the table's images.
+    robustness_clean_accuracy: float  # Their accuracy unperturbed: what each perturbation changes.
     provenance: Provenance | None  # Counts and accuracies by provenance, when known.
 
 
@@ -243,14 +245,15 @@ def card_markdown(card: CardInputs) -> str:
         "",
         "## Robustness",
         "",
-        "Test accuracy under one perturbation of the whole test split at a time (TensorFlow image ops):",
+        f"Test accuracy under one perturbation at a time (TensorFlow image ops), on the first "
+        f"{card.robustness_examples:,} of the {evaluation.num_examples:,} test images:",
         "",
         "| perturbation | accuracy | change |",
         "|---|---:|---:|",
-        f"| none | {_percent(evaluation.test_accuracy)} | |",
+        f"| none | {_percent(card.robustness_clean_accuracy)} | |",
     ]
     for name, accuracy in card.robustness.items():
-        change = 100 * (accuracy - evaluation.test_accuracy)
+        change = 100 * (accuracy - card.robustness_clean_accuracy)
         lines.append(f"| {PERTURBATIONS[name]} | {_percent(accuracy)} | {change:+.2f} points |")
     lines += ["", "## Against the champion of the day", "", comparison.reason, ""]
     champion = comparison.champion

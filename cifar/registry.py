@@ -242,6 +242,7 @@ def write_model_card(
     images, labels = load_split(data_dir, "test")
     predictions = np.concatenate([predict(images[start : start + 500]) for start in range(0, len(images), 500)])
     manifest = load_manifest(data_dir)
+    robust = config.export.card_robustness_examples  # The first N test images (None: all).
     inputs = CardInputs(
         model_name=model_name,
         version=version,
@@ -253,7 +254,9 @@ def write_model_card(
         manifest=manifest,
         evaluation=EvaluationMetrics.read(evaluation.metrics_path),
         comparison=Comparison.model_validate(result.comparison),
-        robustness=card_robustness(predict, images, labels),
+        robustness=card_robustness(predict, images[:robust], labels[:robust]),
+        robustness_examples=len(labels[:robust]),
+        robustness_clean_accuracy=float(np.mean(predictions[:robust] == labels[:robust])),
         provenance=card_provenance(manifest, predictions, labels),
     )
     markdown_text = card_markdown(inputs)

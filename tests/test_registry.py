@@ -116,6 +116,7 @@ def champion_version(client) -> int:
     return int(client.get_model_version_by_alias("cifar10", CHAMPION_ALIAS).version)
 
 
+@pytest.mark.slow
 def test_the_gate_judges_challenger_and_champion_on_the_same_images(exported, monkeypatch):
     tracking_uri = exported["tracking_uri"]
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
@@ -197,6 +198,7 @@ def test_registering_an_export_again_returns_its_version_and_decision(exported):
     assert len(client.search_model_versions("name = 'cifar10'")) == count
 
 
+@pytest.mark.slow
 def test_a_person_promotes_a_refused_version_and_rolls_back_with_the_record(exported):
     tracking_uri = exported["tracking_uri"]
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
@@ -228,9 +230,12 @@ def test_a_person_promotes_a_refused_version_and_rolls_back_with_the_record(expo
 def test_every_version_gets_a_model_card_with_every_section(exported):
     client = mlflow.MlflowClient(tracking_uri=exported["tracking_uri"])
     run_id = new_run(exported["tracking_uri"], exported["workdir"])
-    result = register(exported, 30, run_id=run_id, card=True)
+    config = exported["config"].model_copy(deep=True)
+    config.export.card_robustness_examples = 150  # Of the 200 test images: the table says which.
+    result = register(exported, 30, run_id=run_id, card=True, config=config)
 
     card = Path(result.model_card).read_text()
+    assert "(TensorFlow image ops), on the first 150 of the 200 test images:" in card
     for heading in ("## Intended use", "**Input contract.**", "## Data", "**Known caveats.**", "## Training",
                     "## Evaluation", "## Robustness", "## Against the champion of the day"):  # fmt: skip
         assert heading in card, heading
