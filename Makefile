@@ -19,7 +19,7 @@ MODEL ?= models:/cifar10@champion
 # Framework start-up lines and offline telemetry stay out of the logs; CIFAR_VERBOSE=1 lets them through.
 QUIET := $(if $(filter 1,$(CIFAR_VERBOSE)),,TF_CPP_MIN_LOG_LEVEL=2 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false)
 
-.PHONY: setup run test fuzz lint format clean bench server deploy worker mlflow-ui serve search ui-check stack-check \
+.PHONY: setup run test test-quick fuzz lint format clean bench server deploy worker mlflow-ui serve search ui-check stack-check \
 	stack-env stack-ca backup restore
 
 setup: $(VENV)/.installed
@@ -49,6 +49,12 @@ format: setup
 
 test: setup lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+
+# Before each commit: the unit tests and the fast integration tests, without those marked `slow` or
+# `integration` (pipelines in processes, servers, real trainings); about a minute on 2 cores (README, "Tests").
+test-quick: setup lint
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not slow and not integration" \
+		$(PYTEST_ARGS)
 
 # The fuzz suite (tests/test_fuzz_*.py) beyond make test's few seeded examples: each door for its share of
 # FUZZ_MINUTES, new seeds every round; failing examples are kept in .hypothesis/examples/ (scripts/fuzz.py).

@@ -124,6 +124,7 @@ def test_any_set_value_fails_with_one_short_line(assignment, message):
     assert message in str(raised.value) and "\n" not in str(raised.value) and len(str(raised.value)) < 400
 
 
+@pytest.mark.slow
 def test_bad_config_exits_2_with_the_field_before_any_work(tmp_path):
     workdir = tmp_path / "workdir"
     result = subprocess.run(

@@ -104,6 +104,7 @@ def test_the_strategys_device_prefetch_runs_without_the_tf_data_autotuner():
     assert device_iterator._dataset.options().autotune.enabled is False
 
 
+@pytest.mark.slow
 def test_mirrored_strategy_over_two_cpu_devices_keeps_global_batch_semantics(data_dir, tmp_path):
     # Logical devices must be configured before TensorFlow starts: fresh processes, run side by side.
     processes = {
@@ -146,6 +147,7 @@ def test_mirrored_strategy_over_two_cpu_devices_keeps_global_batch_semantics(dat
     assert two["val_accuracy"] > 0.2
 
 
+@pytest.mark.slow
 def test_two_workers_train_together_into_one_run_and_one_checkpoint_directory(data_dir, tmp_path):
     workdir = tmp_path / "shared-work"
     ports = free_ports(2)

@@ -14,6 +14,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from harness import REPO_ROOT
 
 FAKE_PREFECT = r"""#!/usr/bin/env bash
@@ -30,6 +32,7 @@ exit 0
 """
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_worker_container_stops_its_flow_runs_first_then_the_worker(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

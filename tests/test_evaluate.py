@@ -75,6 +75,7 @@ def trained(python_archive, tmp_path_factory) -> dict:
     return {"workdir": workdir, "data_dir": data_dir, "checkpoint_dir": checkpoint_dir}
 
 
+@pytest.mark.slow
 def test_evaluate_writes_consistent_metrics_predictions_and_plots(trained):
     config = make_config("default", {"train": {"model": "tiny"}, "evaluate": {"checkpoints": "all", "flip_tta": True}})
     result = evaluate(
@@ -119,6 +120,7 @@ def test_evaluate_writes_consistent_metrics_predictions_and_plots(trained):
     assert not list(Path(result.metrics_path).parent.glob(".*.tmp"))  # Atomic writes leave no temp files.
 
 
+@pytest.mark.slow
 def test_evaluate_logs_metrics_at_the_checkpoint_epoch_and_artifacts(trained, tmp_path):
     tracking_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)

@@ -59,6 +59,7 @@ def export(setup, model_name: str, *, refresh: bool = True, **evaluation_fields)
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["tiny", "tutorial"])
 def test_saved_model_reproduces_the_in_memory_model(setup, model_name):
     result = export(setup, model_name)
@@ -106,6 +107,7 @@ def saved_model_cli_show(export_dir: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_saved_model_cli_describes_the_serving_signature(setup):
     result = export(setup, "tiny")
     description = saved_model_cli_show(result.export_dir)
@@ -124,6 +126,7 @@ def test_saved_model_cli_describes_the_serving_signature(setup):
     assert "outputs['class_names']" in description and "outputs['probabilities']" in description
 
 
+@pytest.mark.slow
 def test_interrupted_export_leaves_no_half_version_and_numbering_continues(setup, monkeypatch):
     root = setup["workdir"] / "export" / "cifar10"
     before = export(setup, "tiny")
@@ -158,6 +161,7 @@ def test_a_published_version_is_world_readable(setup):
     assert {oct(path.stat().st_mode & 0o777) for path in paths if path.is_file()} == {"0o644"}
 
 
+@pytest.mark.slow
 def test_an_export_of_the_same_key_is_found_not_made_again(setup):
     root = setup["workdir"] / "export" / "cifar10"
     first = export(setup, "tutorial")

@@ -262,6 +262,7 @@ def test_fast_and_sprint_are_the_sgd_recipes_with_muon_on_the_filters_in_fewer_s
     assert sprint.steps_per_epoch < 50_000 // sprint_sgd.batch_size  # Shorter epochs: fewer images seen.
 
 
+@pytest.mark.slow
 def test_fast_preset_trains_the_fast_net_end_to_end(data_dir, tmp_path):
     overrides = {
         "train": {

@@ -52,6 +52,7 @@ def task_states(workdir: Path, names) -> dict[str, str]:
     return {name: states[name] for name in names}
 
 
+@pytest.mark.slow
 def test_data_stage_writes_the_summary_then_is_cached(prefect_home, python_archive, tmp_path):
     workdir = tmp_path / "workdir"
     versions = code_versions()
@@ -100,6 +101,7 @@ def test_data_stage_writes_the_summary_then_is_cached(prefect_home, python_archi
     }
 
 
+@pytest.mark.slow
 def test_wrong_checksum_fails_naming_both_digests_and_leaves_no_data(prefect_home, python_archive, tmp_path):
     workdir = tmp_path / "workdir"
     wrong, actual = "0" * 64, file_digest(python_archive)
@@ -116,6 +118,7 @@ def test_wrong_checksum_fails_naming_both_digests_and_leaves_no_data(prefect_hom
     assert not (workdir / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_a_sweep_whose_point_fails_marks_its_mlflow_parent_failed(prefect_home, tmp_path):
     workdir, tracking_uri = tmp_path / "workdir", f"sqlite:///{tmp_path / 'mlflow.db'}"
     script = (

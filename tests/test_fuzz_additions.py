@@ -63,6 +63,7 @@ def check_folder_addition(root: Path, entries, resize: str | None) -> None:
     addition.digest  # noqa: B018 - computing it must work for any names.
 
 
+@pytest.mark.slow
 @budget(3)
 @given(entries=image_trees, resize=RESIZES)
 def test_a_folder_is_read_file_by_file_or_refused_naming_every_file(entries, resize):

@@ -151,6 +151,7 @@ def graph() -> ImportGraph:
     return ImportGraph(REPO_ROOT)
 
 
+@pytest.mark.slow
 def test_the_repository_has_no_import_cycle(graph):
     cycles = [" -> ".join(cycle) for cycle in graph.cycles()]
     assert not cycles, "import cycles:\n" + "\n".join(cycles)

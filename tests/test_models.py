@@ -56,6 +56,7 @@ def test_fused_and_stock_batchnorm_models_have_the_same_weights():
     assert not any(isinstance(layer, FusedBatchNormalization) for layer in stock.layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name,fused_batchnorm",
     [("tiny", True), ("tutorial", True), ("resnet8", True), ("resnet8", False), ("resnet20", True), ("fast", True)],

@@ -102,6 +102,7 @@ def run_job(config, digests: dict[int, str | None]) -> tuple[dict[int, object], 
     return outcomes, chief
 
 
+@pytest.mark.slow
 def test_the_chief_hands_every_worker_the_same_cluster_or_refuses_different_shards(prefect_api):
     outcomes, chief = run_job(job_config(3, 60), {1: "same", 2: "same"})
     assert isinstance(outcomes[0], ClusterSpec) and outcomes[0] == outcomes[1] == outcomes[2]
@@ -123,6 +124,7 @@ def test_the_chief_hands_every_worker_the_same_cluster_or_refuses_different_shar
     assert re.search(r"worker 2 \(.+ on .+\) prepared shards that differ from the chief's", messages.pop())
 
 
+@pytest.mark.slow
 def test_a_worker_that_never_joins_ends_every_process_naming_it_and_its_flow_run_is_cancelled(prefect_api):
     from prefect.client.orchestration import get_client
 

@@ -129,6 +129,7 @@ def compiled_tiny_net(optimizer: keras.optimizers.Optimizer) -> keras.Model:
     return model
 
 
+@pytest.mark.slow
 def test_conv_muon_state_round_trips_a_checkpoint_and_resumes_the_same_steps(tmp_path):
     rng = np.random.default_rng(0)
     images, labels = rng.standard_normal((32, 6, 6, 2)).astype(np.float32), rng.integers(0, 3, 32)

@@ -138,6 +138,7 @@ def test_configure_performance_rejects_negative_threads():
         performance.configure_performance(TrainConfig(precision="float32"), 0, intra_op_threads=-1)
 
 
+@pytest.mark.slow
 def test_bfloat16_training_with_fused_batchnorm_converges():
     """resnet8 under mixed_bfloat16 learns the colour-coded synthetic classes within a few epochs."""
     performance.configure_performance(TrainConfig(precision="mixed_bfloat16", fused_batchnorm=True), 0)
@@ -218,6 +219,7 @@ def test_a_multi_worker_run_does_not_measure(machine):
     assert (choice.precision, choice.reason, timings.calls) == ("mixed_bfloat16", "multi-worker", 0)
 
 
+@pytest.mark.slow
 def test_measuring_times_the_model_in_both_precisions_and_restores_float32():
     speeds = performance.measure_images_per_second(TrainConfig(model="tiny", batch_size=32))
     assert set(speeds) == {"float32", "mixed_bfloat16"}

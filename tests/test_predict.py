@@ -126,6 +126,7 @@ def write_source(kind: str, images: np.ndarray, directory, data_dir) -> tuple[st
     return str(data_dir / "test-*.tfrecord"), list(range(count)), names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["npy", "batch_file", "folder", "tfrecord"])
 def test_every_kind_of_source_gets_the_saved_models_answers_image_for_image(registered, tmp_path, kind):
     images = registered["images"]
@@ -303,6 +304,7 @@ def test_the_same_input_is_never_scored_twice(registered, tmp_path):
     assert not other.reused and other.key != first.key and runs() == runs_before + 1
 
 
+@pytest.mark.slow
 def test_memory_stays_bounded_for_an_input_larger_than_the_cap(registered, tmp_path):
     path = tmp_path / "large.npy"
     large = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint8, shape=(LARGE_IMAGES, 32, 32, 3))

@@ -113,6 +113,7 @@ def test_binary_and_python_layouts_give_the_same_shards(python_archive, binary_a
     assert from_binary.mean == from_python.mean
 
 
+@pytest.mark.slow
 def test_settings_change_the_key_and_the_directory(python_archive, tmp_path):
     digest = "a" * 64
     assert data_key(_config(python_archive), digest) == data_key(_config("elsewhere"), digest)
@@ -160,6 +161,7 @@ def test_a_deleted_shard_is_detected_and_rebuilt(python_archive, tmp_path):
     verify_data_dir(second.data_dir)
 
 
+@pytest.mark.slow
 def test_a_truncated_shard_or_a_missing_manifest_is_rebuilt(python_archive, tmp_path):
     first = prepare_data(_config(python_archive), tmp_path)
     data_dir = Path(first.data_dir)

@@ -137,6 +137,7 @@ def three_at_once(python_archive, tmp_path_factory) -> tuple[Path, list[tuple[su
     return workdir, [(process, stdout + stderr) for process, (stdout, stderr) in zip(processes, outputs)]
 
 
+@pytest.mark.slow
 def test_three_pipelines_started_at_once_on_a_new_workdir_all_finish(three_at_once):
     workdir, finished = three_at_once
     for process, stderr in finished:
@@ -174,6 +175,7 @@ def test_mlflows_own_lines_go_to_the_log_file_not_the_terminal(three_at_once):
 # Kills: SIGKILL of the whole process group inside each stage, then a re-run.
 
 
+@pytest.mark.slow
 def test_temporary_prefect_servers_started_at_once_on_a_new_prefect_home_do_not_collide(tmp_path):
     # Each run without a server starts a temporary one, and a server's start-up registers Prefect's block
     # types unless the memo store says it was done: started together on a new PREFECT_HOME, they inserted
@@ -198,6 +200,7 @@ def test_temporary_prefect_servers_started_at_once_on_a_new_prefect_home_do_not_
     assert memo.stat().st_mtime_ns == recorded  # No server registered the block types again.
 
 
+@pytest.mark.slow
 def test_a_run_killed_inside_each_stage_in_turn_ends_as_a_clean_run_does(python_archive, tmp_path, three_at_once):
     clean_workdir, finished = three_at_once  # Clean runs of the same command (the first two).
     assert all(process.returncode == 0 for process, _ in finished)
@@ -238,6 +241,7 @@ def test_a_run_killed_inside_each_stage_in_turn_ends_as_a_clean_run_does(python_
     assert assert_consistent(workdir).promotion.registered_model_version == 1
 
 
+@pytest.mark.slow
 def test_a_pipeline_process_killed_alone_leaves_no_process_behind(python_archive, tmp_path):
     """As the OOM killer would: only the pipeline's own process dies; its supervisor ends the rest."""
     workdir = tmp_path / "workdir"
@@ -272,6 +276,7 @@ def test_a_workdir_outside_the_workers_root_is_refused(python_archive, tmp_path,
     assert not outside.exists()
 
 
+@pytest.mark.slow
 def test_a_store_left_half_migrated_is_repaired_without_losing_runs(tmp_path, monkeypatch):
     from cifar import tracking
 
@@ -288,6 +293,7 @@ def test_a_store_left_half_migrated_is_repaired_without_losing_runs(tmp_path, mo
     assert "runs" in tables and not [name for name in tables if name.startswith("_alembic_tmp_")]
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_command_during_training_saves_and_the_same_command_resumes(python_archive, tmp_path):
     """`kill PID` of the command mid-training (sent at a known point by the run itself, CIFAR_TERM_AT): the
     supervisor forwards it, training saves mid-epoch and exits 143 with one line, the flow run ends FAILED,

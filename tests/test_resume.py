@@ -58,6 +58,7 @@ def epochs_reported(output: str) -> list[int]:
     return [json.loads(line[len("EPOCH ") :])["epoch"] for line in output.splitlines() if line.startswith("EPOCH ")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["sgd", "muon"])
 def test_killed_training_resumes_without_losing_or_repeating_epochs(data_dir, tmp_path, optimizer):
     config = {**CONFIG, "train": {**CONFIG["train"], "optimizer": optimizer}}
@@ -139,6 +140,7 @@ def test_killed_training_resumes_without_losing_or_repeating_epochs(data_dir, tm
     assert type(saved.optimizer).__name__ == {"sgd": "GroupedSGD", "muon": "ConvMuon"}[optimizer]
 
 
+@pytest.mark.slow
 def test_epochs_checkpointed_but_not_reported_are_backfilled_once(data_dir, tmp_path, monkeypatch):
     from cifar import tracking
     from cifar.config import make_config
@@ -201,6 +203,7 @@ class SigtermAt(__import__("keras").callbacks.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_mid_epoch_and_the_next_run_continues_from_the_next_step(data_dir, tmp_path):
     from cifar import tracking
     from cifar.config import make_config

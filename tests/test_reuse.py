@@ -169,6 +169,7 @@ def test_editing_the_optimizer_changes_training_and_nothing_before_it(package_co
     assert after["data"] == before["data"] and after["download"] == before["download"]
 
 
+@pytest.mark.slow
 def test_editing_the_converter_changes_the_data_stage_only(package_copy):
     before = versions()
     with open(package_copy / "data" / "convert.py", "a") as handle:

@@ -236,6 +236,7 @@ def test_first_trials_run_in_order_once_then_the_sampler_picks(tmp_path):
     assert studies.study_name_for(with_first, config) != name_before
 
 
+@pytest.mark.slow
 def test_the_command_line_refuses_a_bad_space_before_any_work(tmp_path, capsys):
     # The command line's entry point in this process: a refused request ends before any process is started.
     from flows.search import main
@@ -265,6 +266,7 @@ with local_work_pool(2, Path(sys.argv[1])) as api_url, temporary_settings({PREFE
 """
 
 
+@pytest.mark.slow
 def test_the_local_pool_of_a_background_search_starts_its_workers_and_stops_them_cleanly(tmp_path):
     # Started as `flows/search.py ... &` from a script: SIGINT ignored, as every child inherits, and the
     # Prefect CLI stops its worker with SIGINT. Such workers never stopped (killed after 20 s each).

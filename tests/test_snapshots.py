@@ -304,6 +304,7 @@ def test_a_shifted_test_image_in_an_addition_is_leakage_kept_out_of_training(pyt
     assert data.counts["train"] + data.counts["validation"] == 500 + 57
 
 
+@pytest.mark.slow
 def test_snapshots_are_content_addressed_and_the_splits_stay_put(python_archive, base_workdir, tmp_path):
     archive, config = archive_info(python_archive), config_for(python_archive)
     first_images, first_labels = make_split(120, seed=21)
@@ -422,6 +423,7 @@ def test_the_split_rule_reads_the_hash_as_a_fraction():
     assert goes_to_validation(hashes, 0.0).tolist() == [False, False, False]
 
 
+@pytest.mark.slow
 def test_an_ingest_killed_between_storing_and_recording_is_finished_by_the_next(python_archive, base_workdir, tmp_path):
     import signal
     import subprocess

@@ -35,6 +35,7 @@ def tiny_config(**train_overrides):
     return make_config("default", {"train": {**TINY, **train_overrides}, "tracking": {"system_metrics": False}})
 
 
+@pytest.mark.slow
 def test_tiny_model_learns_checkpoints_and_logs_one_mlflow_run(data_dir, tmp_path):
     config = tiny_config(epochs=2, keep_checkpoints=1)
     progress: list[dict] = []
@@ -109,6 +110,7 @@ def test_tiny_model_learns_checkpoints_and_logs_one_mlflow_run(data_dir, tmp_pat
     assert len(client.search_runs([experiment.experiment_id])) == 1
 
 
+@pytest.mark.slow
 def test_fresh_start_discards_the_old_run_and_opens_a_new_mlflow_run(data_dir, tmp_path):
     first = train(tiny_config(epochs=1, steps_per_epoch=2), data_dir, tmp_path)
     fresh = train(tiny_config(epochs=1, steps_per_epoch=2, resume=False), data_dir, tmp_path)
@@ -118,6 +120,7 @@ def test_fresh_start_discards_the_old_run_and_opens_a_new_mlflow_run(data_dir, t
     assert [path.name for path in (tmp_path / "runs").iterdir()] == [first.run_name]
 
 
+@pytest.mark.slow
 def test_diverging_loss_stops_with_a_clear_error_and_no_checkpoint(data_dir, tmp_path):
     config = tiny_config(epochs=1, learning_rate=100.0, weight_decay=0.0)
     with pytest.raises(TrainingDivergedError, match="lower the learning rate"):
@@ -131,6 +134,7 @@ def test_diverging_loss_stops_with_a_clear_error_and_no_checkpoint(data_dir, tmp
     assert client.get_run(state["mlflow_run_id"]).info.status == "FAILED"
 
 
+@pytest.mark.slow
 def test_ema_checkpoints_hold_ema_weights_for_evaluation_and_raw_weights_for_resume(data_dir, tmp_path):
     config = tiny_config(
         epochs=1, steps_per_epoch=6, ema_decay=0.9, label_smoothing=0.1, schedule="onecycle", warmup_epochs=0.5
@@ -260,6 +264,7 @@ def test_weight_decay_applies_to_kernels_only():
     assert add_weight_decay(build_model("tiny"), 0.0) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precise_bn_images", [0, 64])
 def test_validation_and_checkpoints_use_precise_batch_norm_statistics(data_dir, tmp_path, precise_bn_images):
     """With precise BN the checkpoint holds the statistics of the first training images; without, the lagging
