@@ -16,6 +16,11 @@ if "CIFAR_CACHE_DIR" not in os.environ:
     os.environ["CIFAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="cifar-test-cache-")
     atexit.register(shutil.rmtree, os.environ["CIFAR_CACHE_DIR"], ignore_errors=True)
 
+# Prefect's import configures logging (logging.config.dictConfig), which closes every handler there is. The
+# handler absl installs when TensorFlow is imported writes to the sys.stderr of that moment: during
+# collection, pytest's capture file, which Prefect then closed, and every later test failed ("I/O operation
+# on closed file") when a subset of the suite imported TensorFlow before any test imported Prefect.
+import prefect.main  # noqa: F401, I001
 import pytest
 
 from cifar.data.synthetic import build_archive

@@ -13,6 +13,7 @@ import tensorflow as tf
 from cifar import performance
 from cifar.config import TrainConfig
 from cifar.data.synthetic import make_split
+from cifar.io import CACHE_DIR_ENV
 from cifar.models import build_model
 
 CPUINFO_FLAGS = "fpu vme de pse tsc msr pae mce cx8 apic sep avx2 avx512f avx512bw"
@@ -24,7 +25,7 @@ BF16_FASTER = lambda train: {"float32": 200.0, "mixed_bfloat16": 300.0}  # noqa:
 @pytest.fixture(autouse=True)
 def own_precision_cache(tmp_path, monkeypatch):
     """Each test remembers measured precisions in a cache of its own."""
-    monkeypatch.setenv(performance.PRECISION_CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
 
 
 @pytest.fixture
