@@ -163,6 +163,7 @@ MLFLOW_OWN_LINES = (  # What MLflow itself says on a new workdir: database set-u
 )
 
 
+@pytest.mark.slow  # Reads the three pipelines of the module fixture.
 def test_mlflows_own_lines_go_to_the_log_file_not_the_terminal(three_at_once):
     workdir, finished = three_at_once
     for _, terminal in finished:
