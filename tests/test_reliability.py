@@ -154,7 +154,7 @@ def test_three_pipelines_started_at_once_on_a_new_workdir_all_finish(three_at_on
     assert len(list(workdir.glob("runs/*/summary.json"))) == 2
 
 
-MLFLOW_OWN_LINES = (  # What MLflow itself says on a new workdir: database set-up, system metrics, registration.
+MLFLOW_OWN_LINES = (  # What MLflow itself says in a run: database set-up, system metrics, registration.
     "INFO mlflow.store.db.utils: Creating initial MLflow database tables",
     "INFO mlflow.store.db.utils: Updating database tables",
     "INFO mlflow.system_metrics.system_metrics_monitor: Skip logging GPU metrics",
@@ -170,7 +170,10 @@ def test_mlflows_own_lines_go_to_the_log_file_not_the_terminal(three_at_once):
         assert not [line for line in MLFLOW_OWN_LINES if line.split(": ")[1] in terminal], terminal[-4000:]
         assert "Downloading artifacts" not in terminal  # MLflow's progress bar: off (CIFAR_VERBOSE=1 shows it).
     logs = "".join(path.read_text() for path in (workdir / "logs").glob("pipeline-*.log"))
-    assert [line for line in MLFLOW_OWN_LINES if line in logs] == list(MLFLOW_OWN_LINES)
+    # MLflow sets a database up only where the empty store new workdirs copy is made (once per machine and
+    # MLflow: maybe in one of these runs, maybe earlier in the session); its other lines come every time.
+    always = [line for line in MLFLOW_OWN_LINES if "mlflow.store.db.utils" not in line]
+    assert [line for line in always if line in logs] == always
 
 
 # Kills: SIGKILL of the whole process group inside each stage, then a re-run.
