@@ -363,12 +363,8 @@ class ExportConfig(Section):
         description="Level of McNemar's exact test on the images where the models disagree: a challenger "
         "significantly worse is refused whatever the tolerance.",
     )
-    card_robustness_examples: int | None = Field(
-        2_000,
-        ge=1,
-        description="Test images the model card's robustness table perturbs: the first N of the test split "
-        "(None: all). Its 5 perturbations cost ~1.8 s per 1,000 images on 2 AMD EPYC cores.",
-    )
+    # The model card's robustness table: its 5 perturbations cost ~1.8 s per 1,000 images on 2 AMD EPYC cores.
+    card_robustness_examples: int | None = Field(2_000, ge=1, description="The first N test images (None: all).")
 
 
 class MonitorConfig(Section):

@@ -97,19 +97,19 @@ def _prepare_sqlite_store(tracking_uri: str) -> None:
 def _copy_empty_store(path: Path) -> None:
     """A new store starts as a copy of an empty one this machine migrated once for the installed MLflow.
 
-    MLflow builds a new SQLite store by running its whole migration history (~150 Alembic steps, ~4 s of
-    CPU: a fifth of a small pipeline run's, paid by every new workdir). The copy is the same schema at the
+    MLflow builds a new SQLite store by running its whole migration history (~150 Alembic steps; the copy
+    saves ~1.2 s of CPU per new workdir, measured on 2 AMD EPYC Zen 4 cores). The copy is the same schema at the
     same revision with no experiment in it; MLflow adds its Default experiment, with this store's own
     artifact location, when it first opens it. Best effort: without a cache directory MLflow migrates.
     """
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         template = _empty_store_template()
-        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(template, partial)
         os.replace(partial, path)  # Under the store's lock; a reader never sees half a copy.
     except OSError:
-        return
+        partial.unlink(missing_ok=True)  # MLflow makes the store itself.
 
 
 def _empty_store_template() -> Path:
