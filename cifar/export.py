@@ -30,6 +30,8 @@ from cifar.workdir import (
     EXPORT_METADATA_PATH,
     EXPORT_PARTIAL_PREFIX,
     EXPORT_PARTIAL_SUFFIX,
+    EXPORT_PROBE_PATH,
+    PROBE_EXAMPLES,
     export_root,
     find_export,
     publish_version,
@@ -108,9 +110,12 @@ def expected_correct_count(expected_accuracy: float, num_examples: int) -> int:
 def verify_export(
     export_dir: Path, images: np.ndarray, labels: np.ndarray, *, expected_accuracy: float, batch_size: int
 ) -> tuple[int, str]:
-    """Checks the reloaded model reproduces the accuracy exactly and the CLI describes it: (correct, CLI text)."""
+    """Checks the reloaded model reproduces the accuracy exactly and the CLI describes it: (correct, CLI text).
+
+    Also writes the probe (EXPORT_PROBE_PATH): the first test images and the probabilities just verified."""
     expected = expected_correct_count(expected_accuracy, len(labels))
     outputs = serving_outputs(export_dir, images, batch_size)
+    write_probe(export_dir, images[:PROBE_EXAMPLES], outputs["probabilities"][:PROBE_EXAMPLES])
     correct = int(np.sum(outputs["class_ids"] == labels))
     if correct != expected:
         raise ExportVerificationError(
@@ -122,6 +127,13 @@ def verify_export(
         if needed not in description:
             raise ExportVerificationError(f"saved_model_cli does not describe {needed}:\n{description[-2000:]}")
     return correct, description
+
+
+def write_probe(export_dir: Path, images: np.ndarray, probabilities: np.ndarray) -> None:
+    path = Path(export_dir) / EXPORT_PROBE_PATH
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as file:
+        np.savez(file, images=images.astype(np.uint8), probabilities=probabilities.astype(np.float32))
 
 
 def export_model(

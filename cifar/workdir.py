@@ -18,6 +18,10 @@ from typing import Any
 from cifar.results import ExportResult
 
 EXPORT_METADATA_PATH = Path("assets.extra") / "export.json"  # Inside a version: TF Serving ignores assets.extra.
+# A few test images and the probabilities the verified export gave them: whoever loads the version later (the
+# endpoint, cifar.endpoint) checks it answers the same before serving it. numpy's npz, read without pickle.
+EXPORT_PROBE_PATH = Path("assets.extra") / "probe.npz"
+PROBE_EXAMPLES = 32
 EXPORT_PARTIAL_PREFIX = ".export-"  # Hidden temp dirs of exports in flight: not versions, never served.
 EXPORT_PARTIAL_SUFFIX = ".partial"
 PUBLISH_ATTEMPTS = 100  # Version numbers tried when concurrent exports race for the next one.

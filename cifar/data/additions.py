@@ -11,6 +11,7 @@ at all is refused here (`NoUsableImagesError`), naming every file's reason.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import stat
 import warnings
@@ -202,13 +203,15 @@ def walk_files(root: Path) -> list[tuple[str, os.DirEntry | None]]:
     return sorted(found, key=lambda item: item[0])
 
 
-def decode_image(path: Path, resize: str | None) -> tuple[np.ndarray | None, tuple[str, str] | None]:
-    """(HWC uint8 image (32, 32, 3), None) or (None, (problem kind, detail)) for one PNG or JPEG file.
+def decode_image(
+    source: Path | bytes, resize: str | None, *, max_pixels: int = MAX_DECODED_PIXELS
+) -> tuple[np.ndarray | None, tuple[str, str] | None]:
+    """(HWC uint8 image (32, 32, 3), None) or (None, (problem kind, detail)) for one PNG or JPEG file or its bytes.
 
     The kinds: format, undecodable, truncated, mode, size (another size without a declared `resize`, or more
-    than MAX_DECODED_PIXELS with one). The size is judged from the header, before anything is decoded: a few
-    hundred bytes can declare gigapixels. Shared with batch prediction (cifar.predict), so both read an
-    image file the same way.
+    than `max_pixels` with one). The size is judged from the header, before anything is decoded: a few
+    hundred bytes can declare gigapixels. The one home of decoding and resizing: ingestion, batch prediction
+    (cifar.predict) and the endpoint (cifar.endpoint, photos sent as bytes) read an image the same way.
     """
     from PIL import Image, UnidentifiedImageError
 
@@ -216,14 +219,14 @@ def decode_image(path: Path, resize: str | None) -> tuple[np.ndarray | None, tup
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # PIL's remarks on a damaged file ("Corrupt EXIF data") are not for people.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as image:  # Reads the header only.
+            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:  # The header only.
                 if image.format not in IMAGE_FORMATS:
                     return None, ("format", f"{image.format} image; only PNG and JPEG are read")
                 width, height = image.size
                 if (width, height) != IMAGE_SHAPE[:2] and resize is None:
                     return None, ("size", f"{width}x{height} pixels, expected 32x32 (or opt into a declared resize)")
-                if width * height > MAX_DECODED_PIXELS:
-                    return None, ("size", f"{width}x{height} pixels, over the {MAX_DECODED_PIXELS:,} pixels of "
+                if width * height > max_pixels:
+                    return None, ("size", f"{width}x{height} pixels, over the {max_pixels:,} pixels of "
                                           "the largest image a resize decodes")  # fmt: skip
                 image.load()  # Decodes every byte: a truncated file fails here.
                 image = _as_rgb(image)
