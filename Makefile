@@ -15,7 +15,7 @@ SERVE_PORT ?= 5001
 WORKDIR ?= $(CURDIR)/workdir
 PREFECT_API_URL ?= http://127.0.0.1:$(PREFECT_PORT)/api
 MLFLOW_TRACKING_URI ?= sqlite:///$(WORKDIR)/mlflow.db
-MODEL ?= models:/cifar10@champion
+SERVE_FLAGS ?=  # e.g. --alias challenger --max-batch 32 (flows/serve.py --help)
 # Framework start-up lines and offline telemetry stay out of the logs; CIFAR_VERBOSE=1 lets them through.
 QUIET := $(if $(filter 1,$(CIFAR_VERBOSE)),,TF_CPP_MIN_LOG_LEVEL=2 MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false)
 
@@ -90,10 +90,10 @@ worker: setup
 mlflow-ui: setup
 	$(QUIET) MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(MLFLOW_PORT)
 
-# The registry's champion over REST on SERVE_PORT (`mlflow models serve` runs uvicorn from the venv).
+# The endpoint on SERVE_PORT (127.0.0.1): the registry's champion, followed without a restart; photos or JSON in
+# (README "Serving"; flags: .venv/bin/python flows/serve.py --help).
 serve: setup
-	$(QUIET) PATH=$(CURDIR)/$(VENV)/bin:$$PATH MLFLOW_TRACKING_URI=$(MLFLOW_TRACKING_URI) \
-	  $(VENV)/bin/mlflow models serve -m $(MODEL) --env-manager local -h 127.0.0.1 -p $(SERVE_PORT)
+	$(QUIET) $(PY) flows/serve.py --tracking-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(SERVE_PORT) $(SERVE_FLAGS)
 
 # A hyperparameter search (flows/search.py): TRIALS trials, PARALLEL at a time on local workers.
 TRIALS ?= 8

@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
+from load import Load, run_hey  # noqa: E402
 
 from cifar.config import make_config  # noqa: E402
-from harness.servers import start_model_server  # noqa: E402
+from harness.servers import start_endpoint, start_model_server  # noqa: E402
 
 SECTION = "## Serving"
 
@@ -44,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--http", action="store_true", help="Also time `mlflow models serve` over HTTP.")
     parser.add_argument("--http-calls", type=int, default=40, help="Timed batch-1 HTTP requests.")
     parser.add_argument("--http-batch", type=int, default=32, help="Batch of the HTTP throughput requests.")
+    parser.add_argument(
+        "--endpoint",
+        action="store_true",
+        help="Also load the endpoint (flows/serve.py) and `mlflow models serve` with concurrent clients.",
+    )
+    parser.add_argument("--clients", default="1,8,64", help="Concurrent clients of the endpoint's PNG rows.")
+    parser.add_argument("--load-seconds", type=float, default=15.0, help="Duration of each load row (s).")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--note", default=common.SHARED_NOTE)
     return parser.parse_args(argv)
@@ -168,16 +176,7 @@ def post(url: str, payload: bytes) -> float:
 
 def measure_http(config, export, training, images: np.ndarray, args, data_dir) -> dict:
     """Registers the export (pyfunc), serves it with `mlflow models serve`, times JSON requests."""
-    from cifar.registry import register_and_promote
-
-    promotion = register_and_promote(
-        config,
-        export,
-        data_dir,
-        mlflow_run_id=training.mlflow_run_id,
-        tracking_uri=training.tracking_uri,
-        input_example=images[:1],
-    )
+    promotion = register(config, export, training, images, data_dir)
     log_path = Path(args.workdir) / "mlflow-serve.log"
     log_path.unlink(missing_ok=True)  # This run's log only.
     start = time.perf_counter()
@@ -205,6 +204,78 @@ def measure_http(config, export, training, images: np.ndarray, args, data_dir) -
         }
     finally:
         server.stop()
+
+
+def register(config, export, training, images, data_dir):
+    from cifar.registry import register_and_promote
+
+    return register_and_promote(
+        config,
+        export,
+        data_dir,
+        mlflow_run_id=training.mlflow_run_id,
+        tracking_uri=training.tracking_uri,
+        input_example=images[:1],
+    )
+
+
+def measure_endpoints(config, export, training, images: np.ndarray, args, data_dir) -> list[tuple[str, int, Load]]:
+    """(row label, images per request, load) for the endpoint and for `mlflow models serve`, one after the other,
+    each alone on the machine with its load generator."""
+    promotion = register(config, export, training, images, data_dir)
+    client = __import__("mlflow").MlflowClient(tracking_uri=training.tracking_uri)
+    client.set_registered_model_alias(config.export.model_name, "champion", str(promotion.registered_model_version))
+    bodies = Path(args.workdir) / "bodies"
+    bodies.mkdir(parents=True, exist_ok=True)
+    (bodies / "one.png").write_bytes(tf.io.encode_png(images[0]).numpy())
+    (bodies / "batch32.json").write_text(json.dumps({"inputs": images[:32].tolist()}))
+    (bodies / "one.json").write_text(json.dumps({"inputs": images[:1].tolist()}))
+    clients = [int(count) for count in args.clients.split(",")]
+    rows = []
+
+    def load(url: str, body: str, kind: str, count: int) -> Load:
+        run_hey(url, str(bodies / body), kind, count, 3)  # Warm-up: tracing for this batch shape, connections.
+        result = run_hey(url, str(bodies / body), kind, count, args.load_seconds)
+        print(f"{url} {body} x{count}: {result}", flush=True)
+        return result
+
+    endpoint = start_endpoint(training.tracking_uri, Path(args.workdir) / "endpoint.log")
+    try:
+        for count in clients:
+            rows.append((f"endpoint, one PNG per request, {count} client(s)", 1,
+                         load(f"{endpoint.url}/predict", "one.png", "image/png", count)))  # fmt: skip
+        rows.append(("endpoint, JSON batch 32 per request, 1 client", 32,
+                     load(f"{endpoint.url}/invocations", "batch32.json", "application/json", 1)))  # fmt: skip
+    finally:
+        endpoint.stop()
+    log_path = Path(args.workdir) / "mlflow-serve.log"
+    log_path.unlink(missing_ok=True)
+    baseline = start_model_server(promotion.model_uri, training.tracking_uri, log_path)
+    try:
+        rows.append(("`mlflow models serve` (baseline), JSON batch 32 per request, 1 client", 32,
+                     load(f"{baseline.url}/invocations", "batch32.json", "application/json", 1)))  # fmt: skip
+        rows.append((f"`mlflow models serve` (baseline), JSON one image per request, {clients[-1]} clients", 1,
+                     load(f"{baseline.url}/invocations", "one.json", "application/json", clients[-1])))  # fmt: skip
+    finally:
+        baseline.stop()
+    return rows
+
+
+def endpoint_table(rows: list[tuple[str, int, Load]], ceiling: float, batch_size: int) -> str:
+    lines = [
+        "| server and load | images/s | vs in-process ceiling | p50 ms | p99 ms | answers (non-200) "
+        "| load generator CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, per_request, result in rows:
+        rate = result.requests_per_second * per_request
+        others = sum(count for code, count in result.statuses.items() if code != 200) + result.errors
+        lines.append(
+            f"| {label} | {rate:,.0f} | {rate / ceiling:.2f}x | {result.p50_ms:.1f} | {result.p99_ms:.1f} | "
+            f"{sum(result.statuses.values()):,} ({others}) | {result.client_cpu_seconds:.1f} |"
+        )
+    lines.append(f"| in-process `serving_bytes` at batch {batch_size} (the ceiling) | {ceiling:,.0f} | 1.00x | | | | |")
+    return "\n".join(lines)
 
 
 def markdown_table(batch_seconds, single_seconds, batch_size: int) -> str:
@@ -269,6 +340,19 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(http_text)
 
+    endpoint_text = ""
+    if args.endpoint:
+        ceiling = args.batch_size / common.median(batch_seconds["serving_bytes"])
+        rows = measure_endpoints(config, export, training, images, args, data_dir)
+        endpoint_text = (
+            "\n\n**Under concurrent clients** (`hey` from Debian's package on the same 2 cores, "
+            f"{args.load_seconds:g} s per row after a 3 s warm-up; the endpoint `flows/serve.py` with its defaults, "
+            "`mlflow models serve --workers 1` as the baseline; images/s = requests/s x images per request; "
+            "the ceiling is this run's in-process `serving_bytes` on PNGs):\n\n"
+            + endpoint_table(rows, ceiling, args.batch_size)
+        )
+        print(endpoint_text)
+
     if args.write_docs:
         body = (
             f"The exported SavedModel (`cifar.export.export_model`, TF-Serving layout) of a {args.model} trained "
@@ -284,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
             f"(save, reload, verify on the 10,000 test images, `saved_model_cli show`) took {export_seconds:.1f} s.\n\n"
             f"Command: `{common.command_line('serving.py', argv)}`\n\n"
             f"Machine: {common.machine_description(load_at_start)}. Note: {args.note}.\n\n"
-            f"{table}{http_text}\n"
+            f"{table}{http_text}{endpoint_text}\n"
         )
         common.write_section(SECTION, body)
         print(f"wrote {common.DOCS_PATH}")

@@ -46,7 +46,7 @@ class InputContractError(MlflowException):
             self._message = value
 
 
-def validate_images(model_input: Any) -> np.ndarray:
+def validate_images(model_input: Any, *, may_hold_booleans: bool = True) -> np.ndarray:
     """The images in `model_input` as a uint8 array [batch, 32, 32, 3]; raises InputContractError otherwise.
 
     Takes what the scoring server passes (the JSON value of "inputs": nested lists, or a dict
@@ -85,7 +85,9 @@ def validate_images(model_input: Any) -> np.ndarray:
     if kind not in "iu":  # bool, strings, objects (None, numbers beyond 64 bits, mixed values), ...
         what = {"b": "booleans", "U": "strings", "S": "bytes"}.get(kind, f"non-integer values (dtype {images.dtype})")
         raise InputContractError(f"got {what}")
-    if isinstance(model_input, (list, tuple)) and _holds_booleans(model_input):
+    # `may_hold_booleans=False`: the caller saw the JSON text has no `true` or `false` (the endpoint, sparing a
+    # walk over every value of a large request).
+    if may_hold_booleans and isinstance(model_input, (list, tuple)) and _holds_booleans(model_input):
         raise InputContractError("got booleans among the pixel values (numpy would read true as 1)")
     if images.dtype == np.uint8:
         return images

@@ -172,3 +172,18 @@ def start_model_server(
     handle = ServerHandle.of(spawn(command, env, log_path, cwd=cwd), url, url)
     wait_for_http(f"{url}/ping", handle, timeout, what="mlflow models serve")
     return handle
+
+
+def start_endpoint(tracking_uri: str, log_path: Path, *, timeout: float = 180.0, **flags: str) -> ServerHandle:
+    """The project's endpoint (`flows/serve.py`) over `tracking_uri`'s registry on a free port; returns once it is
+    ready (a verified version served). `flags`: its command-line flags (max_batch="32" -> --max-batch 32)."""
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    env = without_mlflow_settings(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    command = [sys.executable, str(REPO_ROOT / "flows" / "serve.py"), "--tracking-uri", tracking_uri,
+               "--host", HOST, "--port", str(port)]  # fmt: skip
+    for name, value in flags.items():
+        command += [f"--{name.replace('_', '-')}", str(value)]
+    handle = ServerHandle.of(spawn(command, env, log_path, cwd=REPO_ROOT), url, url)
+    wait_for_http(f"{url}/health/ready", handle, timeout, what="the endpoint")
+    return handle

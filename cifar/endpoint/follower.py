@@ -10,6 +10,7 @@ version keeps serving. MLflow has no notification of an alias moving, so the ali
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -97,6 +98,7 @@ class ChampionFollower:
             self.on_event(REFUSED_EVENT, self._payload(target, previous, reason=str(refusal)))
             return
         self.current = loaded  # The switch: requests accepted from here on run on `loaded`.
+        gc.freeze()  # The loaded graph's objects too out of the collector's walks (cifar.endpoint.app).
         self.switches = [*self.switches[-9:], {"from": previous, "to": target, "at": loaded.describe()["loaded_at"]}]
         logger.info("serving version %s of %s (was %s; %s; loaded in %.1f s)", target, self.settings.model_name,
                     previous, loaded.verified, loaded.load_seconds)  # fmt: skip

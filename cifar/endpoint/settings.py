@@ -57,8 +57,8 @@ def settings_from(values: dict[str, Any], environ: dict[str, str] | None = None)
     for name in ServeSettings.model_fields:
         if values.get(name) is not None:
             merged[name] = values[name]
-        elif (ENV_PREFIX + name.upper()) in environ:
-            merged[name] = environ[ENV_PREFIX + name.upper()]
+        elif environ.get(ENV_PREFIX + name.upper(), "").strip():  # Empty: the default (compose passes knobs so).
+            merged[name] = environ[ENV_PREFIX + name.upper()].strip()
     try:
         return ServeSettings(**merged)
     except ValidationError as error:

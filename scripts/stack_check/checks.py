@@ -15,7 +15,7 @@ from scripts.stack_check.cluster_drills import (
     check_stopped_worker,
     check_two_workers,
 )
-from scripts.stack_check.context import DRILL_TIMINGS, Context
+from scripts.stack_check.context import DRILL_SERVE_SETTINGS, DRILL_TIMINGS, Context
 from scripts.stack_check.drills import check_kill, check_resume, check_search
 from scripts.stack_check.engine import Engine, install_tools
 from scripts.stack_check.images import build_images, choose_bases
@@ -26,6 +26,7 @@ from scripts.stack_check.remote import REMOTE_NAME, check_remote_worker
 from scripts.stack_check.report import Row
 from scripts.stack_check.restore_drill import check_restore
 from scripts.stack_check.serving import check_serving
+from scripts.stack_check.serving_drill import check_serving_follows
 from scripts.stack_check.stack import Stack
 from scripts.stack_check.teardown import teardown
 
@@ -62,6 +63,7 @@ def check_images(context: Context, row: Row) -> None:
         # Two checks at once on one machine (two branches) build and run their own images.
         "CIFAR_IMAGE_TAG": os.environ.get("CIFAR_IMAGE_TAG", "latest"),
         **DRILL_TIMINGS,
+        **DRILL_SERVE_SETTINGS,
         **context.bases,
     }
     build_images(context.engine, context.variables, context.settings.gpu, context.report, row)
@@ -93,6 +95,7 @@ CHECKS = (
     Step("MLflow run, metrics, champion, artifacts", check_mlflow),
     Step("stack stopped and started: all still there", check_restart),
     Step("served champion = reloaded SavedModel", check_serving),
+    Step("endpoint follows the alias under load; overload; 401", check_serving_follows),
     Step("backup, every volume deleted, restore: all back", check_restore),
     Step("PostgreSQL, Prefect, MLflow restarted mid-training", check_outages),
     Step("worker killed mid-training: CRASHED", check_kill),

@@ -19,6 +19,9 @@ from scripts.stack_check.stack import Stack
 # mechanisms, waited for sooner. A worker asks for flow runs every second; a killed worker's flow run is
 # marked CRASHED 60 s after its last heartbeat (two of Prefect's shortest period, 30 s) instead of 90 s.
 DRILL_TIMINGS = {"CIFAR_WORKER_POLL_SECONDS": "1", "CIFAR_HEARTBEAT_SECONDS": "30", "CIFAR_CRASHED_AFTER_SECONDS": "60"}
+# The serve container's queue in the stack check (production: 512 images): the serving drill's 8 one-photo clients
+# never fill it, its overload's requests of 16 photos do (scripts/stack_check/serving_drill.py).
+DRILL_SERVE_SETTINGS = {"CIFAR_SERVE_MAX_QUEUED_IMAGES": "16"}
 
 
 def flag(name: str) -> bool:

@@ -1,4 +1,5 @@
-"""The champion served by the runtime image (compose profile `serve`) answers test images as the SavedModel does."""
+"""The champion served by the runtime image (compose profile `serve`: the endpoint, flows/serve.py) answers test
+images as the SavedModel does, through the front door."""
 
 from __future__ import annotations
 
@@ -51,9 +52,12 @@ def check_serving(context: Context, row: Row) -> None:
         raise StepError(f"the SavedModel gets only {len(correct)} of the first 100 test images right")
     chosen = correct[:3]
     stack.wait_healthy(["serve"], 420)
+    ready_seconds = wait_ready(stack, 120)
     body = {"inputs": images[chosen].tolist()}
     served = stack.http("POST", f"{stack.serve_url}/invocations", body, auth=stack.credentials("serve"))
-    predictions = served.get("predictions", served)
+    predictions = served["predictions"]
+    if served.get("version") != context.findings.smoke_summary.promotion.registered_model_version:
+        raise StepError(f"the endpoint answered with version {served.get('version')}, not the champion")
     for position, index in enumerate(chosen):
         served_id = int(predictions["class_ids"][position])
         context.report.answers.append(
@@ -76,8 +80,21 @@ def check_serving(context: Context, row: Row) -> None:
         if gap > 1e-4:
             raise StepError(f"test image #{index}: probabilities differ by {gap}")
     row.detail = (
-        f"`mlflow models serve` of models:/{MODEL_NAME}@champion in the runtime image (compose profile serve) "
-        "through the front door, "
+        f"the endpoint (flows/serve.py) following models:/{MODEL_NAME}@champion in the runtime image (compose "
+        f"profile serve), ready {ready_seconds:.0f} s after healthy, through the front door, version "
+        f"{served['version']}, "
         f"test images #{', #'.join(map(str, chosen))}: served = SavedModel {export_dir.rsplit('/', 1)[-1]} "
         f"= label ({time.monotonic() - started:.0f} s)"
     )
+
+
+def wait_ready(stack, timeout: float) -> float:
+    """Seconds until the endpoint serves a verified version (/health/ready through the front door)."""
+    started = time.monotonic()
+    while True:
+        response = stack.client.get(f"{stack.serve_url}/health/ready", auth=stack.credentials("serve"))
+        if response.status_code == 200:
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout:
+            raise StepError(f"the endpoint is not ready after {timeout:.0f} s: {response.text[:300]}")
+        time.sleep(1)
