@@ -1,11 +1,10 @@
-"""Serving: the registered champion behind a real `mlflow models serve` process answers like the SavedModel,
-and refuses input outside its contract (uint8 images [batch, 32, 32, 3]) with a 400 that states the contract."""
+"""The registered pyfunc, as MLflow's scoring server (`mlflow models serve`) handles requests, answers like the
+SavedModel and refuses input outside its contract (uint8 images [batch, 32, 32, 3]) with a 400 that states the
+contract. The project's endpoint: tests/test_endpoint.py."""
 
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -21,21 +20,6 @@ from cifar.evaluate import evaluate, load_split
 from cifar.export import INPUT_NAME, export_model, serving_outputs
 from cifar.registry import register_and_promote
 from cifar.serving_contract import CONTRACT, InputContractError, validate_images
-from harness.servers import start_model_server
-
-SERVER_START_SECONDS = 240  # Importing MLflow and TensorFlow on a busy 2-core machine is slow.
-
-
-def post_json(url: str, payload) -> tuple[int, dict]:
-    """POSTs `payload` as JSON; the HTTP status and the decoded reply, errors included."""
-    request = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def with_value(images: np.ndarray, value) -> list:
@@ -58,8 +42,14 @@ def contract_violations(images: np.ndarray) -> dict[str, object]:
     }
 
 
-@pytest.mark.integration
-def test_mlflow_models_serve_answers_like_the_saved_model(python_archive, tmp_path):
+@pytest.mark.slow
+def test_the_registered_pyfunc_answers_like_the_saved_model_through_mlflows_scoring(python_archive, tmp_path):
+    """The registered version as MLflow loads it (`mlflow.pyfunc.load_model`, models from code) and as its scoring
+    server (what `mlflow models serve` runs) handles requests, in process. The project serves with its own
+    endpoint (tests/test_endpoint.py); this keeps the pyfunc's contract for those who load the version with MLflow."""
+    import mlflow
+    from mlflow.pyfunc import scoring_server
+
     workdir = tmp_path / "workdir"
     data_dir = prepare_fixture_data(python_archive, workdir)
     checkpoint_dir = workdir / "runs" / "tiny" / "checkpoints"
@@ -79,18 +69,27 @@ def test_mlflow_models_serve_answers_like_the_saved_model(python_archive, tmp_pa
     )
     assert promotion.champion and promotion.registered_model_version == 1
 
-    server = start_model_server(
-        "models:/cifar10@champion", tracking_uri, tmp_path / "serve.log", cwd=tmp_path, timeout=SERVER_START_SECONDS
-    )
+    mlflow.set_registry_uri(tracking_uri)
     try:
-        url = f"{server.url}/invocations"
-        batch = images[:20]
-        status, answer = post_json(url, {"inputs": batch.tolist()})
-        refusals = {name: post_json(url, {"inputs": bad}) for name, bad in contract_violations(images[:2]).items()}
-        status_named, answer_named = post_json(url, {"inputs": {"images": images[:2].tolist()}})
-        status_instances, reply_instances = post_json(url, {"instances": images[:2].tolist()})
+        local = mlflow.artifacts.download_artifacts("models:/cifar10@champion", dst_path=str(tmp_path / "model"))
     finally:
-        server.stop()
+        mlflow.set_registry_uri("")
+    model = scoring_server.load_model_with_mlflow_config(local)
+    schema = model.metadata.get_input_schema()
+
+    def post_json(_url: str, payload) -> tuple[int, dict]:
+        try:
+            reply = scoring_server.invocations(json.dumps(payload), "application/json", model, schema)
+        except MlflowException as error:
+            return error.get_http_status_code(), json.loads(error.serialize_as_json())
+        return reply.status, json.loads(reply.response)
+
+    url = "/invocations"
+    batch = images[:20]
+    status, answer = post_json(url, {"inputs": batch.tolist()})
+    refusals = {name: post_json(url, {"inputs": bad}) for name, bad in contract_violations(images[:2]).items()}
+    status_named, answer_named = post_json(url, {"inputs": {"images": images[:2].tolist()}})
+    status_instances, reply_instances = post_json(url, {"instances": images[:2].tolist()})
 
     assert status == 200, answer
     predictions = answer["predictions"]

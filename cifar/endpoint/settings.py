@@ -1,7 +1,10 @@
 """What the endpoint serves and within which limits: one validated settings object, every knob with its unit.
 
 Defaults are sized for 2 CPU cores (docs/BENCHMARKS.md "Serving" has the measurements behind them); each is
-a command-line flag of `flows/serve.py` and an environment variable CIFAR_SERVE_<FIELD> (upper case).
+a command-line flag of `flows/serve.py` and an environment variable CIFAR_SERVE_<FIELD> (upper case; empty
+means the default), e.g. those the compose `serve` service passes: CIFAR_SERVE_ALIAS, CIFAR_SERVE_POLL_SECONDS,
+CIFAR_SERVE_MAX_BATCH, CIFAR_SERVE_MAX_WAIT_MS, CIFAR_SERVE_MAX_QUEUED_IMAGES, CIFAR_SERVE_MAX_REQUEST_BYTES and
+CIFAR_SERVE_MAX_FILES.
 """
 
 from __future__ import annotations
