@@ -122,6 +122,11 @@ CHECKS: tuple[Check, ...] = (
         "mlflow-model-card",
         expect=(r"Model card: cifar10 v2", r"Intended use", r"Robustness", r"Against the champion of the day"),
     ),
+    Check(
+        "the endpoint's try-it page classifies an uploaded test image: three classes as bars and the version",
+        "endpoint-try-it",
+        expect=(r"answered by cifar10 version \d+", r"(?m)^\d+\.\d %$", r"Served: cifar10 version \d+", r"model card"),
+    ),
 )
 
 # Page key (pages.PAGES) -> screenshot file under --out; a page may save more (SCREENSHOTS_EXTRA).
@@ -144,6 +149,7 @@ SCREENSHOTS = {
     "prefect-comparison": "prefect-comparison.png",
     "mlflow-version-record": "mlflow-version-record.png",
     "mlflow-model-card": "mlflow-model-card.png",
+    "endpoint-try-it": "endpoint-try-it.png",
 }
 
 

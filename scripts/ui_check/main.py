@@ -104,7 +104,7 @@ def attach(stack: Stack) -> dict[str, dict]:
 def check_uis(stack: Stack, args: argparse.Namespace, out: Path, dump: Path, started: float) -> int:
     """Every page visited and every check judged; the exit status (0 all passed, 1 a check failed)."""
     runs = attach(stack) if args.attach else start_and_run(stack, args, started)
-    shots = visit_all(stack, out, runs, dump)
+    shots = visit_all(stack, out, runs, dump, args.archive if args.archive.is_file() else None)
     results = judge(shots)
     failed = report(shots, results)
     print(

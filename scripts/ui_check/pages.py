@@ -13,7 +13,7 @@ from pathlib import Path
 from scripts.ui_check.browser import Browser, shrink_png
 from scripts.ui_check.checks import SCREENSHOTS, Shot
 from scripts.ui_check.runs import deployment
-from scripts.ui_check.stack import Stack, StackError
+from scripts.ui_check.stack import Stack, StackError, start_endpoint
 
 SHARED_VIEW_TAG = "mlflow.sharedViewState."  # An experiment tag MLflow's UI loads with ?viewStateShareKey=<rest>.
 
@@ -28,6 +28,7 @@ class PageContext:
     experiment_id: str = ""
     report_mlflow_link: str = ""  # The smoke report's link to its MLflow run.
     report_runs_link: str = ""  # Its "all runs" link.
+    archive: Path | None = None  # The CIFAR-10 archive: a real test image for the endpoint's try-it page.
 
 
 Visitor = Callable[[Browser, Stack, PageContext], Shot]
@@ -327,6 +328,23 @@ def visit_mlflow_model_card(browser: Browser, stack: Stack, context: PageContext
     return Shot(text=f"{shot.text}\n--- card\n{card}", path=shot.path)
 
 
+def visit_endpoint_try_it(browser: Browser, stack: Stack, context: PageContext) -> Shot:
+    """The endpoint's page with a real test image chosen, as a person uploads a photo."""
+    from PIL import Image
+
+    from cifar.data.archive import read_archive
+
+    if context.archive is None:
+        raise StackError("no archive to take a test image from")
+    photo = stack.tmp / "test-image-0.png"
+    Image.fromarray(read_archive(context.archive).test_images[0]).resize((128, 128)).save(photo)
+    url = start_endpoint(stack)
+    browser.goto(f"{url}/", wait_for=r"Drop a photo here")
+    browser.page.set_input_files("#file", str(photo))
+    browser.wait_text(r"answered by cifar10 version \d+")
+    return browser.shoot("endpoint-try-it")
+
+
 PAGES: dict[str, Visitor] = {
     "prefect-sign-in": visit_prefect_sign_in,
     "prefect-deployments": visit_prefect_deployments,
@@ -345,11 +363,14 @@ PAGES: dict[str, Visitor] = {
     "prefect-comparison": visit_prefect_comparison,
     "mlflow-version-record": visit_mlflow_version_record,
     "mlflow-model-card": visit_mlflow_model_card,
+    "endpoint-try-it": visit_endpoint_try_it,
 }
 
 
-def visit_all(stack: Stack, out: Path, runs: dict[str, dict], dump: Path) -> dict[str, Shot]:
-    context = PageContext(runs)
+def visit_all(
+    stack: Stack, out: Path, runs: dict[str, dict], dump: Path, archive: Path | None = None
+) -> dict[str, Shot]:
+    context = PageContext(runs, archive=archive)
     experiment = mlflow_experiment(stack)
     smoke = [
         run

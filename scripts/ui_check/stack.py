@@ -234,3 +234,17 @@ def worker_alive(stack: Stack) -> None:
     worker = stack.processes[WORKER]
     if not worker.alive():
         raise StackError(f"the worker exited:\n{worker.logs()[-3000:]}")
+
+
+def start_endpoint(stack: Stack) -> str:
+    """The endpoint (flows/serve.py) over the MLflow server's registry, read as the viewer, as the compose `serve`
+    service reads it; its URL once it serves a verified version."""
+    port = free_port()
+    viewer, password = stack.account("viewer")
+    env = {**base_env(), "MLFLOW_TRACKING_USERNAME": viewer, "MLFLOW_TRACKING_PASSWORD": password}
+    command = [sys.executable, REPO_ROOT / "flows" / "serve.py", "--tracking-uri", stack.mlflow_url,
+               "--host", HOST, "--port", str(port)]  # fmt: skip
+    handle = stack.spawn("endpoint", command, env, cwd=REPO_ROOT)
+    url = f"http://{HOST}:{port}"
+    wait_for_http(f"{url}/health/ready", handle, 180, what="the endpoint")
+    return url
