@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Also load the endpoint (flows/serve.py) and `mlflow models serve` with concurrent clients.",
     )
     parser.add_argument("--clients", default="1,8,64", help="Concurrent clients of the endpoint's PNG rows.")
+    parser.add_argument(
+        "--ray-python", help="An interpreter with ray[serve]: adds Ray Serve rows (bench/ray_endpoint.py)."
+    )
     parser.add_argument("--load-seconds", type=float, default=15.0, help="Duration of each load row (s).")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--note", default=common.SHARED_NOTE)
@@ -206,6 +209,41 @@ def measure_http(config, export, training, images: np.ndarray, args, data_dir) -
         server.stop()
 
 
+def measure_ray(args, export_dir: str, bodies: Path, clients: list[int], load) -> list[tuple[int, Load]]:
+    """bench/ray_endpoint.py under `--ray-python`, loaded like ours; Ray's processes stopped after."""
+    import subprocess
+    import urllib.error
+
+    from harness.ports import free_port
+    from harness.processes import spawn
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/predict"
+    log_path = Path(args.workdir) / "ray-endpoint.log"
+    command = [args.ray_python, str(Path(__file__).with_name("ray_endpoint.py")), export_dir, str(port)]
+    handle = spawn(command, {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}, log_path)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            request = urllib.request.Request(
+                url, data=(bodies / "one.png").read_bytes(), headers={"Content-Type": "image/png"}
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline or not handle.alive():
+                raise RuntimeError(f"Ray Serve did not answer:\n{handle.logs()[-3000:]}")
+            time.sleep(1)
+        return [(count, load(url, "one.png", "image/png", count)) for count in clients]
+    finally:
+        handle.stop()
+        ray = Path(args.ray_python).with_name("ray")
+        subprocess.run([str(ray), "stop", "--force"], capture_output=True, timeout=120, check=False)
+
+
 def register(config, export, training, images, data_dir):
     from cifar.registry import register_and_promote
 
@@ -248,6 +286,10 @@ def measure_endpoints(config, export, training, images: np.ndarray, args, data_d
                      load(f"{endpoint.url}/invocations", "batch32.json", "application/json", 1)))  # fmt: skip
     finally:
         endpoint.stop()
+    if args.ray_python:
+        for count, result in measure_ray(args, export.export_dir, bodies, clients, load):
+            rows.append((f"Ray Serve 2.60 (`@serve.batch`, same model and batching), one PNG per request, {count} "
+                         "client(s)", 1, result))  # fmt: skip
     log_path = Path(args.workdir) / "mlflow-serve.log"
     log_path.unlink(missing_ok=True)
     baseline = start_model_server(promotion.model_uri, training.tracking_uri, log_path)

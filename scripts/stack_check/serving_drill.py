@@ -35,7 +35,8 @@ import json, pathlib, tempfile
 import mlflow
 client, name = mlflow.MlflowClient(), "%s"
 champion = client.get_model_version_by_alias(name, "champion")
-copy = client.create_model_version(name, champion.source, run_id=champion.run_id,
+model_id = champion.source.removeprefix("models:/") if champion.source.startswith("models:/m-") else None
+copy = client.create_model_version(name, champion.source, run_id=champion.run_id, model_id=model_id,
                                    description="stack check: the champion's files again, promoted by the drill")
 local = pathlib.Path(mlflow.artifacts.download_artifacts(
     artifact_uri=client.get_model_version_download_uri(name, champion.version), dst_path=tempfile.mkdtemp()))
