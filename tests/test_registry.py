@@ -171,7 +171,10 @@ def test_the_gate_judges_challenger_and_champion_on_the_same_images(exported, mo
 
     # The registered champion, loaded the way a server loads it, answers like the SavedModel, and its
     # model is code (cifar/serving_model.py, copied beside it), not a pickled object.
-    monkeypatch.setenv("MLFLOW_REGISTRY_URI", tracking_uri)  # Through the environment, so it is undone after the test.
+    # Through the environment, so it is undone after the test; the tracking URI too: MLflow's `models:` resolution
+    # opens a tracking client, whose default store (./mlflow.db) two test processes would create at once.
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", tracking_uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
     loaded = mlflow.pyfunc.load_model("models:/cifar10@champion")
     predictions = loaded.predict(exported["images"][:16])
     reference = serving_outputs(exported["export"].export_dir, exported["images"][:16], batch_size=16)

@@ -43,7 +43,7 @@ def contract_violations(images: np.ndarray) -> dict[str, object]:
 
 
 @pytest.mark.slow
-def test_the_registered_pyfunc_answers_like_the_saved_model_through_mlflows_scoring(python_archive, tmp_path):
+def test_the_registered_pyfunc_answers_like_the_saved_model_through_mlflow(python_archive, tmp_path, monkeypatch):
     """The registered version as MLflow loads it (`mlflow.pyfunc.load_model`, models from code) and as its scoring
     server (what `mlflow models serve` runs) handles requests, in process. The project serves with its own
     endpoint (tests/test_endpoint.py); this keeps the pyfunc's contract for those who load the version with MLflow."""
@@ -69,11 +69,9 @@ def test_the_registered_pyfunc_answers_like_the_saved_model_through_mlflows_scor
     )
     assert promotion.champion and promotion.registered_model_version == 1
 
-    mlflow.set_registry_uri(tracking_uri)
-    try:
-        local = mlflow.artifacts.download_artifacts("models:/cifar10@champion", dst_path=str(tmp_path / "model"))
-    finally:
-        mlflow.set_registry_uri("")
+    monkeypatch.setenv("MLFLOW_REGISTRY_URI", tracking_uri)  # Both: see test_registry.py.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking_uri)
+    local = mlflow.artifacts.download_artifacts("models:/cifar10@champion", dst_path=str(tmp_path / "model"))
     model = scoring_server.load_model_with_mlflow_config(local)
     schema = model.metadata.get_input_schema()
 
