@@ -35,13 +35,19 @@ from harness.digests import recorded_sha256  # noqa: E402
 
 
 def cpu_model() -> str:
+    """The CPU's name, with its family and model and whether it has bfloat16 math (the machines here all call
+    themselves "AMD EPYC" or "Intel Xeon": Zen 3 and Zen 4 differ ~1.9x on our suite)."""
     try:
+        fields: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        return platform.processor() or "unknown CPU"
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    flags = fields.get("flags", "").split()
+    math = "avx512_bf16" if "avx512_bf16" in flags else ("AVX-512, no bfloat16" if "avx512f" in flags else "AVX2 only")
+    return f"{name} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, {math})"
 
 
 def cores() -> int:

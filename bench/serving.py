@@ -314,11 +314,13 @@ ENGINE_DECISION = (
     "1.3.x pins opentelemetry-api 1.20, and pip falls back to BentoML 0.5.3 of 2019; **KServe**'s Python server "
     "(0.16-0.21) requires psutil < 6 against our 7.2 (ResolutionImpossible), so an InferenceService would need "
     "an image of its own; **TF Serving** cannot be installed here (no Debian package, no container registry). "
-    "**Ray Serve** 2.60 resolves cleanly but brings its raylet, GCS and dashboard processes onto 2 cores; it has "
-    "not been benched beside ours yet. Starlette and uvicorn are already in the environment (Prefect's and "
-    "MLflow's own), and the rows above show the app meets the issue's bar (64 one-PNG clients at >= 0.5x the "
-    "in-process ceiling) with a p99 in tens of milliseconds; the batching it needs is ~150 lines "
-    "(`cifar/endpoint/batcher.py`)."
+    "**Ray Serve** 2.60 resolves cleanly and was measured (the Ray Serve rows, `--ray-python`: the same model, "
+    "decoding and `@serve.batch` with our batch and wait): on 2 cores every request crosses from its HTTP proxy "
+    "actor to the replica through Ray's object store, beside the raylet and GCS processes, and it answers "
+    "0.07x the ceiling at 64 clients (p99 over half a second) where our app answers >= 0.5x; its strength, "
+    "replicas over a Ray cluster, is what replicas of our stateless endpoint behind a load balancer give "
+    "(docs/PRODUCTION.md). Starlette and uvicorn are already in the environment (Prefect's and MLflow's own), "
+    "and the batching the app needs is ~150 lines (`cifar/endpoint/batcher.py`)."
 )
 
 
