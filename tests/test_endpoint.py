@@ -130,6 +130,9 @@ def test_every_input_form_is_answered_by_the_served_version(registry):
         assert reply.json()["predictions"]["class_ids"] == outputs["class_ids"].tolist()
         assert reply.json()["version"] == 1
         assert '<input id="file"' in client.get("/").text
+        card = client.get("/model-card")  # The served version's card, from its run's artifacts.
+        assert card.status_code == 200 and card.headers[VERSION_HEADER] == "1"
+        assert "<title>cifar10 v1</title>" in card.text
 
 
 @pytest.mark.parametrize(
