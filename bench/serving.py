@@ -261,7 +261,9 @@ def measure_endpoints(config, export, training, images: np.ndarray, args, data_d
     """(row label, images per request, load) for the endpoint and for `mlflow models serve`, one after the other,
     each alone on the machine with its load generator."""
     promotion = register(config, export, training, images, data_dir)
-    client = __import__("mlflow").MlflowClient(tracking_uri=training.tracking_uri)
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=training.tracking_uri)
     client.set_registered_model_alias(config.export.model_name, "champion", str(promotion.registered_model_version))
     bodies = Path(args.workdir) / "bodies"
     bodies.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import contextlib
 import gc
 from importlib import resources
 
+import anyio.to_thread
 import numpy as np
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -42,6 +43,7 @@ class Unavailable(RuntimeError):
 def create_app(settings: ServeSettings, *, on_event: EventHook | None = None, follow: bool = True) -> Starlette:
     """The application; `follow=False` leaves the follower's thread off (tests call `follower.check()`)."""
     follower = ChampionFollower(settings, on_event)
+    page_html = resources.files("cifar.endpoint").joinpath("page.html").read_text(encoding="utf-8")  # Read once.
     batcher = Batcher(settings.max_batch, settings.max_wait_ms / 1000, settings.max_queued_images)
 
     @contextlib.asynccontextmanager
@@ -112,12 +114,10 @@ def create_app(settings: ServeSettings, *, on_event: EventHook | None = None, fo
         return JSONResponse(status)
 
     async def page(request: Request) -> Response:
-        return HTMLResponse(resources.files("cifar.endpoint").joinpath("page.html").read_text(encoding="utf-8"))
+        return HTMLResponse(page_html)
 
     async def model_card(request: Request) -> Response:
         current = served()
-        import anyio.to_thread
-
         card = await anyio.to_thread.run_sync(follower.model_card, current)
         if card is None:
             return JSONResponse({"error": f"version {current.version} has no model card"}, status_code=404)

@@ -37,6 +37,7 @@ class ChampionFollower:
         self.last_error: str | None = None
         self.switches: list[dict[str, Any]] = []  # The last few, for /version.
         self._cards: dict[int, str | None] = {}
+        self._client = None  # mlflow.MlflowClient, made at the first look (MLflow is imported there).
         self._check_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -72,7 +73,9 @@ class ChampionFollower:
     def _check(self) -> None:
         import mlflow
 
-        client = mlflow.MlflowClient(tracking_uri=self.settings.tracking_uri)
+        if self._client is None:  # One client for the endpoint's life: its store is opened once.
+            self._client = mlflow.MlflowClient(tracking_uri=self.settings.tracking_uri)
+        client = self._client
         try:
             target = int(client.get_model_version_by_alias(self.settings.model_name, self.settings.alias).version)
         except mlflow.exceptions.MlflowException as error:
