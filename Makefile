@@ -72,13 +72,15 @@ server: setup
 	  PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED=true PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED=true \
 	  scripts/prefect_server.sh --host 127.0.0.1 --port $(PREFECT_PORT)
 
-# Once per server: the work pool, one training per device at a time, every deployment in prefect.yaml.
+# Once per server: the work pool, one training per device at a time, every deployment in prefect.yaml, and
+# the notifications (CIFAR_NOTIFY_WEBHOOK_URL; README "Continuous training"). Safe to run again.
 deploy: setup
 	PREFECT_API_URL=$(PREFECT_API_URL) $(VENV)/bin/prefect work-pool inspect cifar-process >/dev/null 2>&1 || \
 	  PREFECT_API_URL=$(PREFECT_API_URL) $(VENV)/bin/prefect work-pool create cifar-process --type process
 	PREFECT_API_URL=$(PREFECT_API_URL) $(VENV)/bin/prefect concurrency-limit inspect training >/dev/null 2>&1 || \
 	  PREFECT_API_URL=$(PREFECT_API_URL) $(VENV)/bin/prefect concurrency-limit create training 1
 	PREFECT_API_URL=$(PREFECT_API_URL) $(VENV)/bin/prefect --no-prompt deploy --all
+	PREFECT_API_URL=$(PREFECT_API_URL) $(PY) flows/automations.py
 
 # A process worker; flow runs start in this checkout (the deployments' pull step reads PWD).
 worker: setup

@@ -367,6 +367,19 @@ class ExportConfig(Section):
     card_robustness_examples: int | None = Field(2_000, ge=1, description="The first N test images (None: all).")
 
 
+class PromotionConfig(Section):
+    """Who moves the champion once the gate passes a challenger: the gate itself, or a person (cifar.approval)."""
+
+    approval: Literal["auto", "required"] = Field(
+        "auto",
+        description="auto: the gate's pass moves the alias; required: a person approves or rejects it first "
+        '(the run waits without holding a worker; README "Continuous training").',
+    )
+    approval_timeout_hours: float = Field(
+        72.0, gt=0, le=24 * 90, description="Hours a challenger waits for a decision before it expires (not promoted)."
+    )
+
+
 class MonitorConfig(Section):
     """What batch prediction judges drift by (cifar.monitoring): the images it scores and its answers."""
 
@@ -426,6 +439,7 @@ class PipelineConfig(Section):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     export: ExportConfig = ExportConfig()
+    promotion: PromotionConfig = PromotionConfig()
     monitor: MonitorConfig = MonitorConfig()
     tracking: TrackingConfig = TrackingConfig()
     trial: TrialLink | None = Field(None, description="Set by `cifar-search` only: the trial this run is.")
@@ -433,7 +447,7 @@ class PipelineConfig(Section):
     def flat(self) -> dict[str, Any]:
         """Every field as `section.field` -> value, for logging as MLflow params."""
         flat: dict[str, Any] = {"preset": self.preset, "seed": self.seed}
-        for section in ("data", "validate", "train", "evaluate", "export", "monitor", "tracking"):
+        for section in ("data", "validate", "train", "evaluate", "export", "promotion", "monitor", "tracking"):
             for key, value in getattr(self, section).model_dump().items():
                 flat[f"{section}.{key}"] = value
         return flat

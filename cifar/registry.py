@@ -346,7 +346,7 @@ def _previous_champion(client, model_name: str, version: int):
     """The champion before `version` took the alias (from the history), for a decision taken again."""
     from cifar.champion import Champion
 
-    earlier = [move for move in champion_history(client, model_name) if move["version"] != version]
+    earlier = [move for move in alias_moves(client, model_name) if move["version"] != version]
     if not earlier:
         return None
     return Champion.of_version(model_name, client.get_model_version(model_name, str(earlier[-1]["version"])))
@@ -357,19 +357,24 @@ def _record(client, config: PipelineConfig, key: str, version: int, model_uri: s
     import mlflow
 
     model_name = config.export.model_name
-    if comparison.promote:
+    # With approval required the gate's pass is a proposal: a person moves the alias (cifar.approval).
+    waiting = comparison.promote and config.promotion.approval == "required"
+    promote = comparison.promote and not waiting
+    if promote:
         client.set_registered_model_alias(model_name, CHAMPION_ALIAS, str(version))
         append_history(client, model_name, version, how="gate", reason=comparison.reason)
     champion = comparison.champion
+    reason = f"{comparison.reason}; awaits a person's approval" if waiting else comparison.reason
     result = PromotionResult(
         key=key,
         registered_model_version=version,
-        champion=comparison.promote,
+        champion=promote,
+        awaiting_approval=waiting,
         test_accuracy=comparison.challenger.accuracy,
         champion_accuracy_before=champion.accuracy if champion else None,
         champion_version_before=champion.version if champion else None,
         model_uri=model_uri,
-        reason=comparison.reason,
+        reason=reason,
         rule=comparison.rule,
         p_value=comparison.p_value,
         comparison_artifact=COMPARISON_ARTIFACT,
@@ -378,10 +383,10 @@ def _record(client, config: PipelineConfig, key: str, version: int, model_uri: s
     mlflow.log_dict(comparison.model_dump(mode="json"), COMPARISON_ARTIFACT)
     client.set_model_version_tag(model_name, str(version), ACCURACY_TAG, repr(comparison.challenger.accuracy))
     client.set_model_version_tag(model_name, str(version), DECISION_TAG, result.model_dump_json(exclude={"reused"}))
-    verdict = "champion" if comparison.promote else "not promoted"
+    verdict = "champion" if promote else ("passed the gate" if waiting else "not promoted")
     description = (
         f"Test accuracy {100 * comparison.challenger.accuracy:.2f} %, {verdict} ({comparison.rule}): "
-        f"{comparison.reason}. Comparison: run artifact {COMPARISON_ARTIFACT}."
+        f"{reason}. Comparison: run artifact {COMPARISON_ARTIFACT}."
     )
     client.update_model_version(model_name, str(version), description=description)
     _log_decision(result)
@@ -415,7 +420,8 @@ def _log_decision(result: PromotionResult) -> None:
 
 
 def champion_history(client, model_name: str) -> list[dict[str, Any]]:
-    """Every move of the champion alias, oldest first: version, at, by, how (gate, override, rollback), reason."""
+    """Every move of the champion alias and every person's decision, oldest first: version, at, by, how (gate,
+    approval, override, rollback; rejected and expired, which did not move it: `moved` false), reason."""
     try:
         model = client.get_registered_model(model_name)
     except Exception:  # No such model yet.
@@ -423,14 +429,23 @@ def champion_history(client, model_name: str) -> list[dict[str, Any]]:
     return json.loads(model.tags.get(HISTORY_TAG, "[]"))
 
 
-def append_history(client, model_name: str, version: int, *, how: str, reason: str, by: str | None = None) -> None:
-    """Records one move of the alias on the registered model (the last HISTORY_LENGTH moves are kept)."""
+def alias_moves(client, model_name: str) -> list[dict[str, Any]]:
+    """The history's entries that moved the alias (not the rejections), oldest first."""
+    return [move for move in champion_history(client, model_name) if move.get("moved", True)]
+
+
+def append_history(
+    client, model_name: str, version: int, *, how: str, reason: str, by: str | None = None, moved: bool = True
+) -> None:
+    """Records one move of the alias (or a decision not to move it) on the registered model; the last
+    HISTORY_LENGTH entries are kept."""
     move = {
         "version": version,
         "at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "by": by or _user(),
         "how": how,
         "reason": reason[:500],
+        **({} if moved else {"moved": False}),
     }
     history = [*champion_history(client, model_name), move][-HISTORY_LENGTH:]
     client.set_registered_model_tag(model_name, HISTORY_TAG, json.dumps(history))
@@ -488,7 +503,7 @@ def promote_by_hand(
 
 def _rollback_target(client, model_name: str, current: int | None) -> int:
     """The version that held the alias before the current champion got it (from the history)."""
-    history = champion_history(client, model_name)
+    history = alias_moves(client, model_name)
     made_current = max((index for index, move in enumerate(history) if move["version"] == current), default=None)
     earlier = [move for move in history[: made_current or 0] if move["version"] != current]
     if current is None or not earlier:

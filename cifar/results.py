@@ -7,7 +7,9 @@ stage `reused` finished work instead of computing it.
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -164,6 +166,7 @@ class PromotionResult(StageResult):
     comparison_artifact: str | None = None  # Where the run keeps the full comparison.
     comparison: dict | None = None  # The full comparison (cifar.comparison.Comparison) as JSON values.
     model_card: str | None = None  # The version's model card (Markdown; HTML beside it).
+    awaiting_approval: bool = False  # The gate passed it and promotion.approval is required: a person decides.
 
 
 class RetrainPlan(BaseModel):
@@ -181,3 +184,34 @@ class RetrainPlan(BaseModel):
     nothing_changed: bool
     changes: list[str]  # What differs from the champion's training, one line each.
     summary: str  # One sentence for the log, the report and the flow run's state.
+
+
+ApprovalState = Literal["waiting", "approved", "rejected", "expired"]
+Via = Literal["form", "command line", "timeout"]
+
+
+class ApprovalRecord(BaseModel):
+    """A version's sign-off: waiting, or decided (by whom, how, when and why)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str
+    version: int
+    state: ApprovalState
+    flow_run_id: str | None  # The run that waits (and resumes to apply the decision).
+    champion_version_before: int | None  # The champion the gate compared it with.
+    waiting_since: str
+    timeout_hours: float
+    decided_at: str | None = None
+    decided_by: str | None = None
+    via: Via | None = None
+    reason: str | None = None
+
+    @property
+    def expires_at(self) -> datetime:
+        return datetime.fromisoformat(self.waiting_since.replace("Z", "+00:00")) + timedelta(hours=self.timeout_hours)
+
+    def describe(self) -> str:
+        if self.state == "waiting":
+            return f"{self.model_name} v{self.version} awaits approval (since {self.waiting_since})"
+        return f"{self.model_name} v{self.version} {self.state} by {self.decided_by} ({self.via}): {self.reason}"

@@ -178,7 +178,8 @@ def export_key(config: PipelineConfig, evaluation_key: str) -> str:
 
 
 def registration_key(config: PipelineConfig, export_key: str, tracking_uri: str) -> str:
-    """The register stage: the export it registers, the gate and where the registry is."""
+    """The register stage: the export it registers, the gate, who moves the alias and where the registry is."""
+    gate = config.export.model_dump(mode="json")
     return stage_key(
-        "register", export=export_key, gate=config.export.model_dump(mode="json"), tracking_uri=tracking_uri
+        "register", export=export_key, gate=gate, approval=config.promotion.approval, tracking_uri=tracking_uri
     )

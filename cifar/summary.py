@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, computed_field, model_validator
 from cifar.config import PipelineConfig, Stage
 from cifar.io import read_json
 from cifar.results import (
+    ApprovalRecord,
     ArchiveInfo,
     DataResult,
     EvaluationResult,
@@ -99,6 +100,7 @@ class PipelineSummary(BaseModel):
     evaluation: EvaluationResult | None = None
     export: ExportResult | None = None
     promotion: PromotionResult | None = None  # The registry's decision (export.register_model).
+    approval: ApprovalRecord | None = None  # A person's decision on it (promotion.approval required).
     retrain: RetrainPlan | None = None  # What changed, when a `cifar-retrain` run trained this.
     task_states: dict[str, str] = {}  # Task name -> Completed, Cached or Reused.
 
@@ -176,6 +178,8 @@ class PipelineSummary(BaseModel):
                 f"  registry   version {self.promotion.registered_model_version}, {verdict}: "
                 f"{self.promotion.reason}{self.state('register')}"
             )
+        if self.approval is not None:
+            lines.append(f"  approval   {self.approval.describe()}")
         if self.mlflow is not None:
             serve = f"  (after `{self.mlflow.ui_command}`)" if self.mlflow.ui_command else ""
             lines.append(f"  mlflow     {self.mlflow.url}{serve}")

@@ -2,8 +2,8 @@
 # Entry point of the cifar image.
 #
 #   worker [ARGS...]   create what the worker needs on the server when missing: the work pool, the
-#                      `training` concurrency limit and the automation that marks flow runs whose
-#                      heartbeats stopped as CRASHED; register every deployment in prefect.yaml; then
+#                      `training` concurrency limit; make or update the automations (flow runs whose
+#                      heartbeats stopped marked CRASHED; notifications); register every deployment; then
 #                      `prefect worker start --pool $CIFAR_WORK_POOL --with-healthcheck [--limit
 #                      $CIFAR_WORKER_LIMIT] ARGS...`
 #   anything else      run as given: `python flows/pipeline.py ...`, `prefect ...`, `mlflow ...`, `bash`
@@ -23,7 +23,6 @@ if [[ -n ${CIFAR_CA_FILE:-} ]]; then
 fi
 
 pool=${CIFAR_WORK_POOL:-cifar-process}
-zombie_automation="cifar: crash flow runs whose heartbeats stopped"
 
 if [[ ${1:-worker} != worker ]]; then
     exec "$@"
@@ -39,36 +38,15 @@ fi
 if ! prefect concurrency-limit inspect training >/dev/null 2>&1; then
     prefect concurrency-limit create training 1 >/dev/null || prefect concurrency-limit inspect training >/dev/null
 fi
-# A flow run whose process dies with its container (killed, evicted, out of memory, the machine lost)
-# reports nothing more: without this it would stay RUNNING forever. Every flow run sends a heartbeat
-# event every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (30 in docker/compose.yaml); a run with no
-# heartbeat and no final state for CIFAR_CRASHED_AFTER_SECONDS (90) is marked CRASHED, and a new run of it
-# resumes from its last checkpoint. (Prefect's documented recipe, "Detect zombie flows"; `Pruned` is our
-# search's final state name for a pruned trial, a Completed state.) Made by the first worker of a server:
-# a later change of the window is made in the automation itself (Prefect's UI, Automations).
+# A flow run whose process dies with its container (killed, evicted, out of memory, the machine lost) reports
+# nothing more: without a rule it would stay RUNNING forever. Every flow run sends a heartbeat event every
+# PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (30 in docker/compose.yaml); the automation "cifar: crash flow
+# runs whose heartbeats stopped" marks a run with no heartbeat and no final state for
+# CIFAR_CRASHED_AFTER_SECONDS (90) CRASHED, and a new run of it resumes from its last checkpoint. With it,
+# the notifications (CIFAR_NOTIFY_WEBHOOK_URL or _FILE): flows/automations.py makes or updates both, so a
+# new image brings its rules to a server made by an older one.
 crashed_after=${CIFAR_CRASHED_AFTER_SECONDS:-90}
-if ! prefect automation inspect "$zombie_automation" >/dev/null 2>&1; then
-    prefect automation create --from-json "$(cat <<JSON
-{
-  "name": "$zombie_automation",
-  "description": "Marks a flow run CRASHED when its heartbeats stop for $crashed_after s before it reaches a final state.",
-  "trigger": {
-    "type": "event",
-    "posture": "Proactive",
-    "after": ["prefect.flow-run.heartbeat"],
-    "expect": ["prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
-               "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed", "prefect.flow-run.Pruned"],
-    "match": {"prefect.resource.id": ["prefect.flow-run.*"]},
-    "for_each": ["prefect.resource.id"],
-    "threshold": 1,
-    "within": $crashed_after
-  },
-  "actions": [{"type": "change-flow-run-state", "state": "CRASHED",
-               "message": "No heartbeat for $crashed_after s: the flow run's process is gone (container killed or lost)."}]
-}
-JSON
-)" >/dev/null || prefect automation inspect "$zombie_automation" >/dev/null
-fi
+python flows/automations.py --crashed-after "$crashed_after"
 prefect --no-prompt deploy --all
 # prefect.yaml's pull step starts each flow run in "{{ $PWD }}" as the worker sees it: this directory
 # (the image's WORKDIR, /app), so the flows' `./workdir` is the `workdir` volume.

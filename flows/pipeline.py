@@ -29,6 +29,7 @@ from cifar.config import STAGES, ConfigOverrides, Stage, resolve_workdir
 from cifar.preflight import check_request
 from cifar.summary import MlflowRunLink, PipelineSummary
 from cifar.tracking import run_label
+from flows.approval import check_approval_reachable, is_subflow, wait_for_approval
 from flows.cli import add_run_arguments, add_set_argument, config_from_args, flow_parser
 from flows.local_pool import local_work_pool
 from tasks.artifacts import publish_report, write_summary
@@ -125,6 +126,9 @@ def cifar_pipeline(
     write_summary(summary)
     publish_report(summary)
     print(summary.describe())  # The same lines as the command line's, in the flow run's logs (log_prints).
+    if summary.promotion and summary.promotion.awaiting_approval and not is_subflow():  # A retrain waits itself.
+        summary.approval = wait_for_approval(config, summary.promotion, training.tracking_uri, validation)
+        write_summary(summary)
     if summary.pruned:  # Completed, named so the UI and the search tell it apart.
         return Completed(name="Pruned", message=f"pruned after epoch {training.epochs_completed}", data=summary)
     return summary
@@ -151,6 +155,7 @@ def check(args: argparse.Namespace) -> Request:
     """The validated config, checked against this machine; the run prints the summary's lines."""
     config = config_from_args(args)
     check_request(config)
+    check_approval_reachable(config)
     overrides = ConfigOverrides.of(config)
     from prefect.settings import get_current_settings
 

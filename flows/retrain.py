@@ -29,6 +29,7 @@ from cifar.results import ArchiveInfo, RetrainPlan
 from cifar.retraining import plan_retrain
 from cifar.summary import PipelineSummary
 from cifar.tracking import resolve_tracking_uri
+from flows.approval import check_approval_reachable, pending_decision, resume_with_decision, wait_for_approval
 from flows.cli import add_run_arguments, add_set_argument, config_from_args, flow_parser
 from flows.pipeline import cifar_pipeline
 from tasks.artifacts import write_summary
@@ -92,6 +93,10 @@ def retrain(
     workdir = str(resolve_workdir(workdir))
     config = retrain_config(overrides, workdir, force=force)
     check_request(config)
+    tracking_uri = resolve_tracking_uri(config.tracking, workdir)
+    if (waiting := pending_decision(config, tracking_uri)) is not None:  # Resumed with a decision: no training.
+        decided = resume_with_decision(waiting, tracking_uri)
+        return Completed(name=decided.state.capitalize(), message=decided.describe(), data=decided.model_dump())
     archive = download_archive(config, workdir)
     retraining = plan_retrain_task(config, archive, workdir)
     if retraining.nothing_changed and not force:
@@ -104,6 +109,10 @@ def retrain(
     write_summary(summary)  # With what changed, beside what it made.
     create_markdown_artifact(retrain_markdown(retraining, summary, force=force, seed=config.seed), key="cifar-retrain")
     promotion = summary.promotion
+    if promotion and promotion.awaiting_approval:  # Suspends here (a deployment's run) until a person decides.
+        summary.approval = wait_for_approval(config, promotion, tracking_uri, summary.validation)
+        write_summary(summary)
+        return Completed(name=summary.approval.state.capitalize(), message=summary.approval.describe(), data=summary)
     verdict = "champion" if promotion and promotion.champion else "not promoted"
     print(
         f"Retrained on snapshot {retraining.snapshot}: challenger v{promotion and promotion.registered_model_version} "
@@ -124,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check(args: argparse.Namespace) -> Request:
     """The validated config; without --source the flow takes the workdir's archive."""
     overrides = ConfigOverrides.of(config_from_args(args))
+    check_approval_reachable(overrides.resolve())
     if args.source is None:
         overrides = overrides.model_copy(update={"data": overrides.data.model_copy(update={"source": None})})
 

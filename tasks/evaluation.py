@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 from cifar.champion import TrainedWith
@@ -14,6 +15,7 @@ from cifar.reuse import evaluation_key, export_key, registration_key
 from cifar.workdir import find_export
 from tasks.artifacts import publish_comparison, publish_model_card
 from tasks.caching import stage_task
+from tasks.events import announce_move
 
 
 def logged_to(training: TrainResult) -> dict[str, str | None]:
@@ -85,4 +87,9 @@ def register_model(
     )
     publish_comparison(result)
     publish_model_card(result)
+    if result.champion and not result.reused:  # Moved now, by the gate (a reused decision was announced then).
+        at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        move = {"how": "gate", "from_version": result.champion_version_before, "to_version":
+                result.registered_model_version, "by": "gate", "reason": result.reason, "at": at}  # fmt: skip
+        announce_move(config.export.model_name, move)
     return result

@@ -603,22 +603,21 @@ def test_crashed_flow_runs_are_detected_by_heartbeats(compose):
     [(frequency, window)] = settings  # The same on every worker (compose's defaults here).
     script = (DOCKER_DIR / "entrypoint.sh").read_text(encoding="utf-8")
     assert f"crashed_after=${{CIFAR_CRASHED_AFTER_SECONDS:-{window}}}" in script  # The entry point's default.
-    name = re.search(r'^zombie_automation="([^"]+)"', script, flags=re.MULTILINE).group(1)
-    body = re.search(r"<<JSON\n(.*?)\nJSON\n", script, flags=re.DOTALL).group(1)
-    body = body.replace("$zombie_automation", name).replace("$crashed_after", window)
-    automation = AutomationCore.model_validate(json.loads(body))
+    assert 'python flows/automations.py --crashed-after "$crashed_after"' in script
+    from flows.automations import zombie_automation
+
+    automation = AutomationCore.model_validate(zombie_automation(int(window)).model_dump(mode="json"))
     trigger = automation.trigger
     assert isinstance(trigger, EventTrigger) and trigger.posture == Posture.Proactive
     assert trigger.after == {"prefect.flow-run.heartbeat"} and "prefect.flow-run.heartbeat" in trigger.expect
-    # Every final state ends the watch, the search's `Pruned` (a Completed state with its own name) included.
-    assert {f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed", "Pruned")} <= (
-        trigger.expect
-    )
+    # Every final state ends the watch, our Completed states' own names included, and so does a suspension
+    # (a run waiting for approval has no process, so no heartbeat).
+    final = ("Completed", "Failed", "Cancelled", "Crashed", "Pruned", "Nothing changed", "Approved", "Rejected")
+    assert {f"prefect.flow-run.{state}" for state in (*final, "Suspended")} <= trigger.expect
     assert trigger.for_each == {"prefect.resource.id"}
     assert trigger.within.total_seconds() >= 2 * int(frequency), "one late heartbeat must not crash a healthy run"
     [action] = automation.actions
     assert action.type == "change-flow-run-state" and action.state.value == "CRASHED"
-    assert 'prefect automation inspect "$zombie_automation"' in script  # Created once, not on every start.
 
 
 def test_the_stack_checks_shorter_timings_are_ones_prefect_accepts():

@@ -32,10 +32,18 @@ exit 0
 """
 
 
+def stand_in_automations(app_dir: Path) -> None:
+    """The entry point makes the automations with `python flows/automations.py` (from the image's /app): here
+    a stand-in that does nothing, as the stand-in `prefect` does."""
+    (app_dir / "flows").mkdir()
+    (app_dir / "flows" / "automations.py").write_text("")
+
+
 @pytest.mark.slow
 def test_sigterm_to_the_worker_container_stops_its_flow_runs_first_then_the_worker(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    stand_in_automations(tmp_path)
     (bin_dir / "prefect").write_text(FAKE_PREFECT)
     (bin_dir / "prefect").chmod(0o755)
     log = tmp_path / "signals.log"
@@ -65,6 +73,7 @@ def test_sigterm_to_the_worker_container_stops_its_flow_runs_first_then_the_work
 def test_the_worker_exiting_by_itself_ends_the_entry_point_with_its_status(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    stand_in_automations(tmp_path)
     (bin_dir / "prefect").write_text('#!/usr/bin/env bash\n[[ "$1 $2" == "worker start" ]] && exit 3\nexit 0\n')
     (bin_dir / "prefect").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path)}

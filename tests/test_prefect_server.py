@@ -301,7 +301,7 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
     # resolves and checks its config, writes it, and trains nothing (the full preset would take hours).
     import yaml
 
-    from cifar.config import make_config
+    from cifar.config import ConfigOverrides
 
     declared = yaml.safe_load((REPO_ROOT / "prefect.yaml").read_text())["deployments"]
     deployments = prefect_api.post(f"{stack.server.api_url}/deployments/filter", json={}).json()
@@ -315,6 +315,7 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
         "ingest": {"path": "/data/new-labels"},
         "promote": {"reason": "dry run", "version": 1},
         "predict": {"input": "/data/unlabelled"},
+        "approval-timeout": {"flow_run_id": "00000000-0000-0000-0000-000000000000"},
     }
     submitted = {}
     # A training job's workers are placed by their chief with its ticket, never from a form.
@@ -327,8 +328,8 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
             json={"parameters": parameters, "job_variables": {"env": env}},
         )
         assert response.status_code == 201, response.text
-        preset = entry["parameters"].get("config", {}).get("preset")  # cifar-promote has no config.
-        submitted[entry["name"]] = (response.json()["id"], deployment, preset)
+        declared_config = entry["parameters"].get("config")  # cifar-promote and its timeout have none.
+        submitted[entry["name"]] = (response.json()["id"], deployment, declared_config)
 
     plans = {}
     for name, (flow_run_id, _, _) in submitted.items():
@@ -337,12 +338,14 @@ def test_every_deployment_form_left_alone_runs_its_preset(stack, tmp_path):
     for path in plans_dir.glob("*/summary.json"):
         plan = DryRunPlan.read(path)
         plans[plan.deployment_id] = plan
-    for name, (_, deployment, preset) in submitted.items():
+    for name, (_, deployment, declared_config) in submitted.items():
         plan = plans[deployment["id"]]
-        if preset is None:
-            assert plan.details["reason"] == "dry run" and plan.config is None, name
+        if declared_config is None:
+            assert plan.config is None and set(required[name]) <= set(plan.details), name
             continue
-        assert plan.config.model_dump(mode="json") == make_config(preset).model_dump(mode="json"), name
+        # The preset, and only what prefect.yaml sets besides (the nightly's promotion.approval).
+        expected = ConfigOverrides.model_validate(declared_config).resolve()
+        assert plan.config.model_dump(mode="json") == expected.model_dump(mode="json"), name
 
     # A value outside a closed set never becomes a run: the server validates the form.
     smoke = by_name["smoke"]

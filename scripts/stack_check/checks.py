@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from harness.compose import generate_secrets, write_env_file
 from harness.ports import free_port
 from scripts.stack_check.access import check_bare_ports, check_identities, check_no_secrets, check_sign_in
+from scripts.stack_check.approval_drill import check_approval
 from scripts.stack_check.cluster_drills import (
     check_lost_worker,
     check_lost_worker_resume,
@@ -96,6 +97,7 @@ CHECKS = (
     Step("stack stopped and started: all still there", check_restart),
     Step("served champion = reloaded SavedModel", check_serving),
     Step("endpoint follows the alias under load; overload; 401", check_serving_follows),
+    Step("new data, retrain waits; approved, served; rejected", check_approval),
     Step("backup, every volume deleted, restore: all back", check_restore),
     Step("PostgreSQL, Prefect, MLflow restarted mid-training", check_outages),
     Step("worker killed mid-training: CRASHED", check_kill),

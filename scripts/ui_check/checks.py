@@ -127,6 +127,18 @@ CHECKS: tuple[Check, ...] = (
         "endpoint-try-it",
         expect=(r"answered by cifar10 version \d+", r"(?m)^\d+\.\d %$", r"Served: cifar10 version \d+", r"model card"),
     ),
+    Check(
+        "a run waiting for approval: its Resume form shows the comparison and asks decision, reason, name",
+        "prefect-approval-form",
+        expect=(
+            r"Approve cifar10 v\d+ as champion\?",
+            r"95 % interval",
+            r"McNemar",
+            r"(?i)decision",
+            r"(?i)reason",
+            r"(?i)approver",
+        ),  # fmt: skip
+    ),
 )
 
 # Page key (pages.PAGES) -> screenshot file under --out; a page may save more (SCREENSHOTS_EXTRA).
@@ -150,6 +162,7 @@ SCREENSHOTS = {
     "mlflow-version-record": "mlflow-version-record.png",
     "mlflow-model-card": "mlflow-model-card.png",
     "endpoint-try-it": "endpoint-try-it.png",
+    "prefect-approval-form": "prefect-approval-form.png",
 }
 
 

@@ -345,6 +345,14 @@ def visit_endpoint_try_it(browser: Browser, stack: Stack, context: PageContext) 
     return browser.shoot("endpoint-try-it")
 
 
+def visit_prefect_approval(browser: Browser, stack: Stack, context: PageContext) -> Shot:
+    """The waiting run's page, then its Resume form: what to decide on, approve or reject, a reason, a name."""
+    browser.goto(prefect_ui(stack, f"/runs/flow-run/{flow_run_id(context, 'waiting')}"), wait_for=r"Suspended")
+    browser.page.get_by_role("button", name="Resume").first.click()
+    browser.wait_text(r"Approve cifar10 v\d+ as champion\?")
+    return browser.shoot("prefect-approval-form")
+
+
 PAGES: dict[str, Visitor] = {
     "prefect-sign-in": visit_prefect_sign_in,
     "prefect-deployments": visit_prefect_deployments,
@@ -364,6 +372,7 @@ PAGES: dict[str, Visitor] = {
     "mlflow-version-record": visit_mlflow_version_record,
     "mlflow-model-card": visit_mlflow_model_card,
     "endpoint-try-it": visit_endpoint_try_it,
+    "prefect-approval-form": visit_prefect_approval,
 }
 
 

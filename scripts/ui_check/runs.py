@@ -1,4 +1,5 @@
-"""The runs the UIs are checked on: `cifar/smoke` on the real archive, `cifar-sweep/sweep` and a challenger."""
+"""The runs the UIs are checked on: `cifar/smoke` on the real archive, `cifar-sweep/sweep`, a challenger, and one
+waiting for a person's approval."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def run_deployment(stack: Stack, name: str, parameters: dict) -> str:
     return flow_run["id"]  # type: ignore[index]
 
 
-def wait_runs(stack: Stack, flow_run_ids: dict[str, str]) -> dict[str, dict]:
-    """Waits until every flow run is terminal; StackError when one did not complete."""
+def wait_runs(stack: Stack, flow_run_ids: dict[str, str], until: set[str] = FINAL_STATES) -> dict[str, dict]:
+    """Waits until every flow run is in a state of `until` (terminal); StackError when one did not complete
+    (or pause, when `until` has PAUSED)."""
     deadline, done = time.monotonic() + RUN_TIMEOUT_S, {}
     shown: dict[str, str] = {}
     while len(done) < len(flow_run_ids):
@@ -38,13 +40,14 @@ def wait_runs(stack: Stack, flow_run_ids: dict[str, str]) -> dict[str, dict]:
             if shown.get(label) != state:
                 print(f"  {time.strftime('%H:%M:%S')} {label}: {state}", flush=True)
                 shown[label] = state
-            if flow_run["state"]["type"] in FINAL_STATES:  # type: ignore[index]
+            if flow_run["state"]["type"] in until:  # type: ignore[index]
                 done[label] = flow_run
         worker_alive(stack)
         if time.monotonic() > deadline:
             raise StackError(f"runs not finished after {RUN_TIMEOUT_S}s: {shown}")
         time.sleep(2)
-    failed = {label: run["state"] for label, run in done.items() if run["state"]["type"] != "COMPLETED"}
+    wanted = {"COMPLETED"} | (until - FINAL_STATES)
+    failed = {label: run["state"] for label, run in done.items() if run["state"]["type"] not in wanted}
     if failed:
         raise StackError(f"runs did not complete: {json.dumps(failed, indent=1)[:3000]}")
     return done
@@ -67,4 +70,10 @@ def run_pipelines(stack: Stack, archive: Path, sha256: str) -> dict[str, dict]:
     runs = wait_runs(stack, {"cifar/smoke": smoke, "cifar-sweep/sweep": sweep})
     # A challenger (another seed: another model) that the gate compares with the smoke run's champion.
     challenger = run_deployment(stack, "cifar/smoke", {"config": {**config, "seed": 1}, "workdir": str(workdir)})
-    return runs | wait_runs(stack, {"challenger": challenger})
+    runs |= wait_runs(stack, {"challenger": challenger})
+    # A third model, which any challenger passes the gate as, waiting for a person's approval (its form).
+    waiting = {**config, "seed": 2, "promotion": {"approval": "required"},
+               "export": {"min_improvement": -1.0, "max_class_drop": 1.0, "significance": 1e-12}}  # fmt: skip
+    return runs | wait_runs(stack, {"waiting": run_deployment(stack, "cifar/smoke", {"config": waiting,
+                                                                                    "workdir": str(workdir)})},
+                            until=FINAL_STATES | {"PAUSED"})  # fmt: skip
