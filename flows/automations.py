@@ -122,7 +122,6 @@ def notification_block_id(url: str | None):
     """The id of the block the automations send through: ours (made or updated from `url`), else yours."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import BlockDocumentFilter, BlockDocumentFilterName
 
     if url:
         block = CustomWebhookNotificationBlock(
@@ -132,10 +131,8 @@ def notification_block_id(url: str | None):
             secrets={"webhook_url": url},
         )
         return block.save(BLOCK_NAME, overwrite=True)
-    with get_client(sync_client=True) as client:
-        found = client.read_block_documents(
-            block_document_filter=BlockDocumentFilter(name=BlockDocumentFilterName(any_=[BLOCK_NAME]))
-        )
+    with get_client(sync_client=True) as client:  # Any kind of block, so not Block.load (one kind).
+        found = [block for block in client.read_block_documents(include_secrets=False) if block.name == BLOCK_NAME]
     return found[0].id if found else None
 
 

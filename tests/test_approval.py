@@ -42,6 +42,9 @@ def release(tmp_path_factory):
     with WebhookReceiver() as receiver:
         try:
             stack.env = deploy_project(stack.server, POOL, names=["nightly", "approval-timeout"])
+            command = [sys.executable, "flows/automations.py"]
+            nothing = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=stack.env)
+            assert nothing.returncode == 0 and "notifications: none" in nothing.stdout, nothing.stderr[-2000:]
             env = {**stack.env, "CIFAR_NOTIFY_WEBHOOK_URL": receiver.url}
             made = subprocess.run([sys.executable, "flows/automations.py"], cwd=REPO_ROOT, capture_output=True,
                                   text=True, timeout=120, env=env)  # fmt: skip
