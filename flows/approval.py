@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from prefect.context import FlowRunContext
+from prefect.exceptions import FlowPauseTimeout
 from prefect.flow_runs import pause_flow_run, suspend_flow_run
 from prefect.input import RunInput
 from pydantic import Field
@@ -110,11 +111,7 @@ def wait_for_approval(
             answer = pause_flow_run(
                 wait_for_input=form, timeout=left, poll_interval=PAUSE_POLL_SECONDS, key=approval_key(version)
             )
-    except Exception as error:
-        from prefect.exceptions import FlowPauseTimeout
-
-        if not isinstance(error, FlowPauseTimeout):
-            raise
+    except FlowPauseTimeout:  # Paused in process only; a suspended run is expired by the scheduled run.
         return expire(tracking_uri, record)
     return apply(tracking_uri, record, answer.decision == "approve", answer.reason, answer.approver, "form")
 
@@ -149,7 +146,8 @@ def apply(tracking_uri: str, record: ApprovalRecord, approve: bool, reason: str,
 
 
 def expire(tracking_uri: str, record: ApprovalRecord) -> ApprovalRecord:
-    reason = f"no decision within {record.timeout_hours:g} h; the champion stays v{record.champion_version_before}"
+    stays = f"v{record.champion_version_before}" if record.champion_version_before else "unset"
+    reason = f"no decision within {record.timeout_hours:g} h; the champion stays {stays}"
     return apply(tracking_uri, record, False, reason, "timeout", "timeout")
 
 
