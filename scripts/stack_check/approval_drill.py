@@ -159,5 +159,6 @@ def sign_off(context: Context, stack: Stack) -> str:
         "'not expired yet'); "
         f"viewer's --approve refused by MLflow; approved via the API after {waited:.0f} s of waiting: champion "
         f"v{before} -> v{new}, the endpoint served v{new} {followed:.1f} s after the approval; second challenger "
-        f"rejected (champion and endpoint stay v{new}); notifications: 2 waiting, 1 moved ('{moved[0].splitlines()[-1][:70]}')"
+        f"rejected (champion and endpoint stay v{new}); notifications: 2 waiting, 1 moved "
+        f"('{moved[0].splitlines()[-1][:70]}')"
     )
