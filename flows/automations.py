@@ -157,18 +157,34 @@ def automations(block_id) -> list:
     return made
 
 
-def ensure(automation) -> None:
-    """Creates `automation`, or updates the one of its name to it (and removes any duplicate)."""
+def comparable(value):
+    """An automation's definition as JSON values without ids, sets and lists in one order: what to compare."""
+    if isinstance(value, dict):
+        return {key: comparable(item) for key, item in value.items() if key != "id"}
+    if isinstance(value, list):
+        return sorted((comparable(item) for item in value), key=repr)
+    return value
+
+
+def ensure(automation) -> bool:
+    """Creates `automation`, or updates the one of its name when its definition differs (and removes any
+    duplicate); whether anything changed. An unchanged automation is left alone: an update resets its
+    trigger's state, and the crash rule would forget the runs it watches (a restarted worker's killed run)."""
     from prefect.client.orchestration import get_client
 
+    wanted = comparable(automation.model_dump(mode="json"))
     with get_client(sync_client=True) as client:
         existing = client.read_automations_by_name(automation.name)
-        if existing:
-            client.update_automation(existing[0].id, automation)
-            for duplicate in existing[1:]:  # Two workers starting at once may both have created it.
-                client.delete_automation(duplicate.id)
-        else:
+        for duplicate in existing[1:]:  # Two workers starting at once may both have created it.
+            client.delete_automation(duplicate.id)
+        if not existing:
             client.create_automation(automation)
+            return True
+        current = comparable(existing[0].model_dump(mode="json", include=set(type(automation).model_fields)))
+        if current == wanted:
+            return False
+        client.update_automation(existing[0].id, automation)
+        return True
 
 
 def ensure_notifications() -> str:
@@ -198,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.crashed_after is not None:
-            ensure(zombie_automation(args.crashed_after))
-            print(f"automations: {ZOMBIE_AUTOMATION} ({args.crashed_after} s)")
+            changed = ensure(zombie_automation(args.crashed_after))
+            print(f"automations: {ZOMBIE_AUTOMATION} ({args.crashed_after} s, {'made' if changed else 'as it was'})")
         print(ensure_notifications())
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

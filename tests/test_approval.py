@@ -42,14 +42,18 @@ def release(tmp_path_factory):
     with WebhookReceiver() as receiver:
         try:
             stack.env = deploy_project(stack.server, POOL, names=["nightly", "approval-timeout"])
-            command = [sys.executable, "flows/automations.py"]
+            command = [sys.executable, "flows/automations.py", "--crashed-after", "60"]
             nothing = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=stack.env)
             assert nothing.returncode == 0 and "notifications: none" in nothing.stdout, nothing.stderr[-2000:]
+            assert "(60 s, made)" in nothing.stdout
             env = {**stack.env, "CIFAR_NOTIFY_WEBHOOK_URL": receiver.url}
-            made = subprocess.run([sys.executable, "flows/automations.py"], cwd=REPO_ROOT, capture_output=True,
-                                  text=True, timeout=120, env=env)  # fmt: skip
+            made = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
             assert made.returncode == 0 and "5 automations" in made.stdout, made.stderr[-2000:]
             assert receiver.url not in made.stdout + made.stderr  # The URL is a secret.
+            # A worker starting again changes nothing: an update would reset what the crash rule watches.
+            before = updated_automations(stack)
+            again = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
+            assert "(60 s, as it was)" in again.stdout and updated_automations(stack) == before, again.stderr
             nightly = prefect_api.get(f"{stack.server.api_url}/deployments/name/cifar-retrain/nightly").json()
             assert nightly["parameters"]["config"]["promotion"] == {"approval": "required"}  # As prefect.yaml says.
             extra_env = {"PWD": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": ""}
@@ -59,6 +63,12 @@ def release(tmp_path_factory):
             if stack.worker is not None:
                 stack.worker.stop()
             stack.server.stop()
+
+
+def updated_automations(stack: Stack) -> dict[str, str]:
+    """Each automation's name and when it was last changed."""
+    automations = prefect_api.post(f"{stack.server.api_url}/automations/filter", json={}).json()
+    return {automation["name"]: automation["updated"] for automation in automations}
 
 
 def start_nightly(stack: Stack, nightly: dict, workdir: Path, config: dict, force: bool = False) -> str:
@@ -189,3 +199,41 @@ def test_approve_reject_and_expire_a_challenger_with_one_notification_each(relea
     time.sleep(5)  # Room for a duplicate to arrive, were one sent.
     print("\n".join(receiver.texts()))
     assert [len(receiver.matching(text)) for text in (WAITING, MOVED, FAILED)] == [3, 1, 1], receiver.texts()
+
+
+def test_a_command_line_run_pauses_in_its_process_until_the_command_line_decides(release, tmp_path):
+    # Without a deployment Prefect cannot reschedule a run, so it waits paused, its process alive; the
+    # decision from another terminal resumes it there.
+    stack, _, receiver = release
+    archive = build_archive(tmp_path / "base.tar.gz", train_per_batch=100, test_examples=200)
+    workdir = tmp_path / "workdir"
+    settings = {"train.model": "tiny", "train.epochs": 2, "train.steps_per_epoch": 3, "train.batch_size": 32,
+                "data.expect_official_counts": "false", "data.validation_size": 100,
+                "tracking.system_metrics": "false", "promotion.approval": "required"}  # fmt: skip
+    command = [sys.executable, "flows/retrain.py", "--source", str(archive), "--sha256", file_digest(archive),
+               "--preset", "smoke", "--workdir", str(workdir)]  # fmt: skip
+    command += [word for name, value in settings.items() for word in ("--set", f"{name}={value}")]
+    serverless = {key: value for key, value in stack.env.items() if key != "PREFECT_API_URL"}
+    refused = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=serverless)
+    assert refused.returncode == 2 and "promotion.approval=required waits" in refused.stderr
+    run = subprocess.Popen(command, cwd=REPO_ROOT, env=stack.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)  # fmt: skip
+    try:
+        deadline, paused = time.monotonic() + 300, []
+        while not paused and time.monotonic() < deadline and run.poll() is None:
+            response = prefect_api.post(f"{stack.server.api_url}/flow_runs/filter",
+                                        json={"flow_runs": {"state": {"type": {"any_": ["PAUSED"]}}}})  # fmt: skip
+            paused = [item for item in response.json() if item["state"]["name"] == "Paused"]
+            time.sleep(1)
+        assert paused and run.poll() is None, run.communicate(timeout=10)[0][-3000:]
+        decided = promote(stack, workdir, "--approve", paused[0]["id"], "--reason", "looks right", account="carol")
+        assert decided.returncode == 0, decided.stderr[-3000:]
+        output, _ = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, output[-3000:]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{workdir / 'mlflow.db'}")
+    assert str(client.get_model_version_by_alias("cifar10", "champion").version) == "1"
+    assert json.loads(client.get_model_version("cifar10", "1").tags["approval"])["decided_by"] == "carol"
+    receiver.wait_for("approval, by carol", timeout=60)
