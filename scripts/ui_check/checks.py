@@ -134,9 +134,9 @@ CHECKS: tuple[Check, ...] = (
             r"Approve cifar10 v\d+ as champion\?",
             r"95 % interval",
             r"McNemar",
-            r"(?i)decision",
-            r"(?i)reason",
-            r"(?i)approver",
+            r"--- fields[\s\S]*(?m:^Decision$)",
+            r"--- fields[\s\S]*(?m:^Reason$)",
+            r"--- fields[\s\S]*(?m:^Approver$)",
         ),  # fmt: skip
     ),
 )
@@ -163,6 +163,7 @@ SCREENSHOTS = {
     "mlflow-model-card": "mlflow-model-card.png",
     "endpoint-try-it": "endpoint-try-it.png",
     "prefect-approval-form": "prefect-approval-form.png",
+    "prefect-approval-form-fields": "prefect-approval-form-fields.png",
 }
 
 

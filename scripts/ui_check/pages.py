@@ -348,9 +348,14 @@ def visit_endpoint_try_it(browser: Browser, stack: Stack, context: PageContext) 
 def visit_prefect_approval(browser: Browser, stack: Stack, context: PageContext) -> Shot:
     """The waiting run's page, then its Resume form: what to decide on, approve or reject, a reason, a name."""
     browser.goto(prefect_ui(stack, f"/runs/flow-run/{flow_run_id(context, 'waiting')}"), wait_for=r"Suspended")
-    browser.page.get_by_role("button", name="Resume").first.click()
+    browser.page.get_by_role("button", name="Open menu").click()  # The run's menu: Resume, for a paused run.
+    browser.page.get_by_role("menuitem", name="Resume").click()
     browser.wait_text(r"Approve cifar10 v\d+ as champion\?")
-    return browser.shoot("prefect-approval-form")
+    top = browser.shoot("prefect-approval-form")
+    browser.page.get_by_text(re.compile(r"^Decision$")).first.evaluate("e => e.scrollIntoView({block: 'start'})")
+    browser.page.wait_for_timeout(500)
+    fields = browser.shoot("prefect-approval-form-fields")  # The end of the comparison, then the three fields.
+    return Shot(text=f"{top.text}\n--- fields\n{fields.text}", path=top.path, extra=[fields.path])
 
 
 PAGES: dict[str, Visitor] = {
