@@ -62,19 +62,23 @@ export PWD
 children_of() {  # The processes whose parent is $1 (no procps in the image).
     local status key value
     for status in /proc/[0-9]*/status; do
-        while read -r key value; do
-            if [[ $key == PPid: ]]; then
-                [[ $value == "$1" ]] && basename "$(dirname "$status")"
-                break
-            fi
-        done < "$status" 2>/dev/null
+        {  # A process may end between the listing and the read: no message for it.
+            while read -r key value; do
+                if [[ $key == PPid: ]]; then
+                    [[ $value == "$1" ]] && basename "$(dirname "$status")"
+                    break
+                fi
+            done < "$status"
+        } 2>/dev/null
     done
 }
 alive() {  # Whether process $1 still runs (a zombie has ended: its parent has not read its status yet).
     local key value
-    while read -r key value; do
-        [[ $key == State: ]] && { [[ $value != Z* ]]; return; }
-    done < "/proc/$1/status" 2>/dev/null
+    {
+        while read -r key value; do
+            [[ $key == State: ]] && { [[ $value != Z* ]]; return; }
+        done < "/proc/$1/status"
+    } 2>/dev/null
     return 1
 }
 stopping=
@@ -87,9 +91,14 @@ set -m
 prefect worker start --pool "$pool" --with-healthcheck ${CIFAR_WORKER_LIMIT:+--limit "$CIFAR_WORKER_LIMIT"} "$@" &
 worker=$!
 status=0
+waited=
 while [[ -z $stopping ]] && alive "$worker"; do
+    waited=1
     wait "$worker" && status=0 || status=$?  # Returns early (above 128) when a signal arrives.
 done
+if [[ -z $waited && -z $stopping ]]; then  # It ended before the first look (bash keeps its status): that status.
+    wait "$worker" && status=0 || status=$?
+fi
 if [[ -n $stopping ]] && alive "$worker"; then
     runs=$(children_of "$worker")  # The flow runs' processes.
     if [[ -n $runs ]]; then

@@ -62,25 +62,29 @@ def tracking_uri(args: argparse.Namespace) -> str:
 
 
 def prefect_events() -> Any:
-    """A hook sending the follower's events to Prefect when a server is configured, else None."""
+    """A hook sending the follower's events to Prefect when a server is configured, else None.
+
+    A refusal's event id follows from the version and the reason (tasks/events.py): an endpoint restarted
+    while the alias still points at a refused version refuses it again, and the team hears of it once.
+    """
     if not os.environ.get("PREFECT_API_URL"):
         return None
-    from prefect.events import emit_event
+    import uuid
 
-    def send(name: str, payload: dict[str, Any]) -> None:
-        try:
-            emit_event(
-                event=name,
-                resource={
-                    "prefect.resource.id": f"cifar.model.{payload['model']}.v{payload['version']}",
-                    "prefect.resource.name": f"{payload['model']} v{payload['version']}",
-                },  # fmt: skip
-                payload=payload,
-            )
-        except Exception:  # noqa: BLE001 - a notification must never stop the endpoint.
-            logger.exception("could not send %s to Prefect", name)
+    from cifar.endpoint.follower import REFUSED_EVENT
+    from tasks.events import model_resource, send
 
-    return send
+    def hook(name: str, payload: dict[str, Any]) -> None:
+        repeated = name != REFUSED_EVENT  # A switch may happen again (there and back); it is not notified.
+        identity = f"{payload['model']}:{payload['version']}:{payload.get('reason')}"
+        send(
+            name,
+            model_resource(payload["model"], payload["version"]),
+            payload,
+            uuid.uuid4().hex if repeated else identity,
+        )
+
+    return hook
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ SLOWEST_FIRST = (
     "test_search.py",
     "test_reliability.py",
     "test_prefect_server.py",
+    "test_approval.py",
     "test_continuous_training.py",
     "test_multiworker.py",
     "test_reuse_pipeline.py",

@@ -30,8 +30,9 @@ from harness.webhook import WebhookReceiver
 pytestmark = pytest.mark.integration
 
 WAITING, MOVED, FAILED = "waits for your approval", "champion is now", "ended Failed"
-# Any challenger passes: a tolerated loss of everything, no class limit, McNemar's refusal made impossible.
-GATE_PASSES_ALL = {"min_improvement": -1.0, "max_class_drop": 1.0, "significance": 1e-12}
+# Any challenger passes: a tolerated loss of everything, no class limit, and McNemar's refusal below any p that
+# 200 test images can give (all 200 disagreeing one way: 1e-60); a chance-level challenger got p = 4e-19.
+GATE_PASSES_ALL = {"min_improvement": -1.0, "max_class_drop": 1.0, "significance": 1e-300}
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +238,32 @@ def test_a_command_line_run_pauses_in_its_process_until_the_command_line_decides
     assert str(client.get_model_version_by_alias("cifar10", "champion").version) == "1"
     assert json.loads(client.get_model_version("cifar10", "1").tags["approval"])["decided_by"] == "carol"
     receiver.wait_for("approval, by carol", timeout=60)
+
+
+EMIT_LIKE_THE_SERVICES = """
+from types import SimpleNamespace
+from flows.predict import emit_drift
+from flows.serve import prefect_events
+
+send = prefect_events()  # The endpoint's hook, as flows/serve.py installs it on its follower.
+for _ in range(2):  # An endpoint restarted while the alias still points at the damaged version.
+    send("cifar.serving.version.refused", {"model": "cifar10", "alias": "champion", "version": 9, "serving": 8,
+                                           "reason": "the SavedModel does not load"})
+report = SimpleNamespace(metrics=lambda: {"monitor_drift": 1.0}, reasons=["image drift 0.31 > 0.05 (brightness)"])
+emit_drift(SimpleNamespace(model_name="cifar10", model_version=8, input="/data/night", digest="d" * 64, images=500,
+                           predictions_path="/w/predictions/p.parquet", monitoring=report), "/w")
+"""
+
+
+def test_the_endpoints_refusal_and_a_drift_alarm_reach_the_team_once(release):
+    # The endpoint's and batch prediction's own emitters (flows/serve.py, flows/predict.py) against the server.
+    stack, _, receiver = release
+    sent = subprocess.run([sys.executable, "-c", EMIT_LIKE_THE_SERVICES], cwd=REPO_ROOT, env=stack.env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert sent.returncode == 0, sent.stderr[-3000:]
+    (refused,) = receiver.wait_for("the endpoint refused cifar10 v9", timeout=60)
+    assert "keeps its running version" in refused and "does not load" in refused
+    (drift,) = receiver.wait_for("drift in the images scored by cifar10 v8", timeout=60)
+    assert "500 images of /data/night" in drift and "brightness" in drift
+    time.sleep(5)
+    assert len(receiver.matching("the endpoint refused cifar10 v9")) == 1, receiver.texts()

@@ -20,8 +20,10 @@ from scripts.stack_check.shell import StepError, wait_until
 from scripts.stack_check.stack import WORKDIR, Stack
 
 RECEIVER_PORT, RECEIVED = 8099, "/tmp/cifar-notifications.jsonl"
+# It listens on the container's own address on the compose network (where the Prefect server reaches it by the
+# container's name), not on every interface.
 RECEIVER = f"""
-import http.server
+import http.server, socket
 class Hook(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -31,7 +33,7 @@ class Hook(http.server.BaseHTTPRequestHandler):
         self.end_headers()
     def log_message(self, *args):
         pass
-http.server.ThreadingHTTPServer(("0.0.0.0", {RECEIVER_PORT}), Hook).serve_forever()
+http.server.ThreadingHTTPServer((socket.gethostbyname(socket.gethostname()), {RECEIVER_PORT}), Hook).serve_forever()
 """
 NEW_PHOTOS = f"""
 from pathlib import Path
