@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import json
 
-import mlflow
 import pytest
 
 from cifar.approval import APPROVAL_TAG, StaleApprovalError, decide, mark_waiting, waiting_for
 from cifar.registry import CHAMPION_ALIAS, DECISION_TAG, champion_history, promote_by_hand
 from cifar.results import PromotionResult
+from cifar.tracking import mlflow_client
 
 MODEL = "cifar10"
 
 
 @pytest.fixture
-def registry(tmp_path) -> tuple[str, mlflow.MlflowClient]:
+def registry(tmp_path) -> tuple[str, object]:
     """Three versions of `cifar10` (no files needed: the records are what is tested); v1 is the champion."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = mlflow.MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client = mlflow_client(uri)  # As the code under test opens it (a new store: a copy of an empty one).
     client.create_registered_model(MODEL)
     for number in (1, 2, 3):
         client.create_model_version(MODEL, source=str(tmp_path / f"model-{number}"))
