@@ -14,7 +14,6 @@ import keras
 import numpy as np
 from keras import layers
 
-from cifar.config import parse_model_name
 from cifar.data.manifest import NUM_CLASSES
 from cifar.layers import (
     ChannelPadding,
@@ -24,6 +23,7 @@ from cifar.layers import (
     PartialDirac,
     PatchWhitening,
 )
+from cifar.names import parse_model_name
 
 
 def input_size(name: str) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-from cifar.config import TRAIN_EXAMPLES, PipelineConfig, TrainConfig, parse_model_name
+from cifar.config import TRAIN_EXAMPLES, PipelineConfig, TrainConfig
+from cifar.names import parse_model_name
 from cifar.quiet import import_tensorflow
 
 GIB = 1 << 30
