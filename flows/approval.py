@@ -102,11 +102,11 @@ def wait_for_approval(
         if run.deployment_id:
             schedule_expiry(record, config, run.parameters.get("workdir", "./workdir"))
     form = ApprovalForm.with_initial_data(description=approval_markdown(promotion, record, tracking_uri, validation))
-    left = max(1, math.ceil((record.expires_at - datetime.now(UTC)).total_seconds()))
+    left = seconds_left(record)
     print(f"{record.describe()}; decide on {flow_run_url(str(run.id))} or with flows/promote.py --approve/--reject")
     try:
         if run.deployment_id:
-            answer = suspend_flow_run(wait_for_input=form, timeout=left + BACKSTOP_SECONDS, key=approval_key(version))
+            answer = suspended_for_answer(record, form)
         else:
             answer = pause_flow_run(
                 wait_for_input=form, timeout=left, poll_interval=PAUSE_POLL_SECONDS, key=approval_key(version)
@@ -121,11 +121,18 @@ def resume_with_decision(record: ApprovalRecord, tracking_uri: str) -> ApprovalR
     if record.state != "waiting":  # The command line decided, then resumed the run.
         print(record.describe())
         return record
-    left = max(1, math.ceil((record.expires_at - datetime.now(UTC)).total_seconds()))
-    answer = suspend_flow_run(
-        wait_for_input=ApprovalForm, timeout=left + BACKSTOP_SECONDS, key=approval_key(record.version)
-    )
+    answer = suspended_for_answer(record, ApprovalForm)
     return apply(tracking_uri, record, answer.decision == "approve", answer.reason, answer.approver, "form")
+
+
+def seconds_left(record: ApprovalRecord) -> int:
+    return max(1, math.ceil((record.expires_at - datetime.now(UTC)).total_seconds()))
+
+
+def suspended_for_answer(record: ApprovalRecord, form) -> ApprovalForm:
+    """Suspends the run (its process exits); run again after the answer, the same key returns that answer."""
+    timeout = seconds_left(record) + BACKSTOP_SECONDS
+    return suspend_flow_run(wait_for_input=form, timeout=timeout, key=approval_key(record.version))
 
 
 def apply(tracking_uri: str, record: ApprovalRecord, approve: bool, reason: str, by: str, via) -> ApprovalRecord:

@@ -43,10 +43,10 @@ def release(tmp_path_factory):
     with WebhookReceiver() as receiver:
         try:
             stack.env = deploy_project(stack.server, POOL, names=["nightly", "approval-timeout"])
-            command = [sys.executable, "flows/automations.py", "--crashed-after", "60"]
+            command = [sys.executable, "flows/automations.py", "--crashed-after", "3600"]  # Never fires here.
             nothing = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=stack.env)
             assert nothing.returncode == 0 and "notifications: none" in nothing.stdout, nothing.stderr[-2000:]
-            assert "(60 s, made)" in nothing.stdout
+            assert "(3600 s, made)" in nothing.stdout
             env = {**stack.env, "CIFAR_NOTIFY_WEBHOOK_URL": receiver.url}
             made = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
             assert made.returncode == 0 and "5 automations" in made.stdout, made.stderr[-2000:]
@@ -54,7 +54,7 @@ def release(tmp_path_factory):
             # A worker starting again changes nothing: an update would reset what the crash rule watches.
             before = updated_automations(stack)
             again = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
-            assert "(60 s, as it was)" in again.stdout and updated_automations(stack) == before, again.stderr
+            assert "(3600 s, as it was)" in again.stdout and updated_automations(stack) == before, again.stderr
             nightly = prefect_api.get(f"{stack.server.api_url}/deployments/name/cifar-retrain/nightly").json()
             assert nightly["parameters"]["config"]["promotion"] == {"approval": "required"}  # As prefect.yaml says.
             extra_env = {"PWD": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": ""}
