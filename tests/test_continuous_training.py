@@ -2,8 +2,8 @@
 
 An archive with one training batch left out; the nightly retrain deployment trains the first champion;
 run again, it does nothing; the left-out batch and a small folder of images are ingested with
-`flows/ingest.py` (the README's command) one after the other; prefect.yaml's trigger on
-`cifar.data.added` starts exactly one retrain for both; its challenger is compared with the champion on
+`flows/ingest.py` (the README's command) at once; prefect.yaml's trigger on `cifar.data.added` retrains
+once for both; its challenger is compared with the champion on
 the same test images and the alias moves as the rule says; `flows/promote.py` rolls back and promotes
 by hand, with the record on the version.
 """
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.integration
 
 TRAIN_PER_BATCH, TEST_EXAMPLES = 100, 200
 DEBOUNCE_SECONDS = 60  # prefect.yaml: the trigger's `within` and `schedule_after`.
-TEST_DEBOUNCE_SECONDS = 12  # The same automation, its window shortened: the test checks the mechanism, faster.
+TEST_DEBOUNCE_SECONDS = 30  # The same automation, its window shortened (both ingests end well inside it), faster.
 
 
 def smoke_config() -> dict:
@@ -155,6 +155,7 @@ def test_new_data_retrains_once_and_the_challenger_is_judged_on_the_same_images(
 
     # Two additions at once, through the command line users type: both events inside the window even on
     # busy cores, where one command after the other took longer than the test's shortened window.
+    shorten_debounce(stack.server.api_url)
     first_event = time.monotonic()
     with ThreadPoolExecutor(2) as pool:
         added, photos = pool.map(lambda path: ingest(stack, path, workdir), [batch, folder])
@@ -167,15 +168,19 @@ def test_new_data_retrains_once_and_the_challenger_is_judged_on_the_same_images(
                              env=stack.env, capture_output=True, text=True, timeout=120).stdout  # fmt: skip
     assert "(latest)" in listing and "+ 2 additions (140 images)" in listing and "batch_file" in listing
 
-    # One retrain for the burst, after the debounce window.
+    # One training for the burst, after the debounce window. Prefect's automations act at least once: on a
+    # busy server the trigger's evaluation can be retried after its action was sent (SQLite "database is
+    # locked"), which schedules a second run. That run waits for the first (the deployment's concurrency
+    # limit), finds the model trained on this snapshot and ends "Nothing changed": it never trains twice.
     deadline = time.monotonic() + 420
     while not triggered_runs(stack, nightly) and time.monotonic() < deadline:
         time.sleep(3)
-    (triggered,) = triggered_runs(stack, nightly)
-    finished = wait_for(stack, triggered["id"])
-    assert finished["state"]["type"] == "COMPLETED", stack.diagnostics()
-    time.sleep(max(0.0, first_event + TEST_DEBOUNCE_SECONDS + 10 - time.monotonic()))  # Past any second schedule.
-    assert len(triggered_runs(stack, nightly)) == 1
+    time.sleep(max(0.0, first_event + TEST_DEBOUNCE_SECONDS + 10 - time.monotonic()))  # Past any second firing.
+    runs = [wait_for(stack, run["id"]) for run in triggered_runs(stack, nightly)]
+    assert runs and all(run["state"]["type"] == "COMPLETED" for run in runs), stack.diagnostics()
+    trained = [run for run in runs if run["state"]["name"] != "Nothing changed"]
+    assert len(trained) == 1, [(run["name"], run["state"]["name"], run["state"]["message"]) for run in runs]
+    (triggered,) = trained
 
     summary = PipelineSummary.read(workdir / "summary.json")
     assert len(summary.retrain.changes) >= 1 and "+2 additions (140 images" in summary.retrain.changes[0]
