@@ -7,6 +7,7 @@ It lies in WORKDIR/model_cards/<model>/v<version>/ and in the version's run, lin
 
 from __future__ import annotations
 
+import functools
 import html
 import json
 from collections.abc import Callable
@@ -90,10 +91,23 @@ def perturbed(images: np.ndarray, name: str, seed: int = 0) -> np.ndarray:
     elif name == "contrast":
         pixels = tf.image.adjust_contrast(pixels, 0.5)
     elif name == "jpeg_50":
-        pixels = tf.map_fn(lambda image: tf.image.adjust_jpeg_quality(image, 50), pixels)
+        pixels = _jpeg_50()(pixels)
     else:
         raise ValueError(f"unknown perturbation {name!r}: expected one of {', '.join(PERTURBATIONS)}")
     return tf.image.convert_image_dtype(tf.clip_by_value(pixels, 0.0, 1.0), tf.uint8, saturate=True).numpy()
+
+
+@functools.cache
+def _jpeg_50():
+    """JPEG at quality 50, image by image, as one graph: eagerly, map_fn ran Python per image (0.75 s for 500 images
+    on 2 EPYC cores, most of a registration's model card on the real test set); traced once, 0.04 s, the same bytes."""
+    import tensorflow as tf
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 32, 32, 3], tf.float32)])
+    def compress(pixels):
+        return tf.map_fn(lambda image: tf.image.adjust_jpeg_quality(image, 50), pixels)
+
+    return compress
 
 
 def robustness(predict: Callable[[np.ndarray], np.ndarray], images: np.ndarray, labels: np.ndarray) -> dict[str, float]:

@@ -66,13 +66,20 @@ def promote(
     return {**record, "summary": line}
 
 
+NOT_EXPIRED_YET, NOTHING_TO_EXPIRE = "Not expired yet", "Nothing to expire"  # Completed states that change nothing.
+
+
 @flow(name="cifar-approval-timeout", log_prints=True)
 def approval_timeout(
     flow_run_id: str, model_name: str = "cifar10", workdir: str = "./workdir", tracking_uri: str | None = None
-) -> str:
-    """Expires the decision `flow_run_id` waits for, if nobody took it: the champion stays; the waiting run ends."""
+):
+    """Expires the decision `flow_run_id` waits for, if nobody took it: the champion stays; the waiting run ends.
+
+    Started early, or with nothing waiting, it changes nothing and says so in its final state's name and message
+    (NOT_EXPIRED_YET, NOTHING_TO_EXPIRE), where the UI and the API show it without reading logs.
+    """
     from prefect import get_client
-    from prefect.states import Failed
+    from prefect.states import Completed, Failed
 
     plan = dry_run_plan("cifar-approval-timeout", None, workdir, flow_run_id=flow_run_id, model_name=model_name)
     if plan:
@@ -82,11 +89,11 @@ def approval_timeout(
     if record is None or record.state != "waiting":
         line = f"nothing to expire: {record.describe() if record else f'no version waits for flow run {flow_run_id}'}"
         print(line)
-        return line
+        return Completed(name=NOTHING_TO_EXPIRE, message=line, data=line)
     if datetime.now(UTC) < record.expires_at:  # Started early (by hand, or a clock ahead): not yet.
         line = f"not expired yet: {record.describe()}; expires at {record.expires_at:%Y-%m-%d %H:%M:%S} UTC"
         print(line)
-        return line
+        return Completed(name=NOT_EXPIRED_YET, message=line, data=line)
     decided = expire(uri, record)
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(flow_run_id).state
