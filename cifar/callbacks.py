@@ -443,12 +443,20 @@ class MetricsLogger(keras.callbacks.Callback):
 
 
 class EpochProgress(keras.callbacks.Callback):
-    """Reports `{"epoch", "epochs", **metrics}` to a plain function after every epoch."""
+    """Reports `{"epoch", "epochs", "seconds_left", **metrics}` to a plain function after every epoch: the time
+    left at this attempt's typical epoch (cifar.estimate.epoch_seconds_median), when EpochStatistics timed it."""
 
     def __init__(self, report: Callable[[dict], None], epochs: int):
         super().__init__()
         self.report = report
         self.epochs = epochs
+        self.seconds: list[float] = []
 
     def on_epoch_end(self, epoch, logs=None):
-        self.report({"epoch": epoch + 1, "epochs": self.epochs, **float_logs(logs)})
+        from cifar.estimate import epoch_seconds_median
+
+        report = {"epoch": epoch + 1, "epochs": self.epochs, **float_logs(logs)}
+        if logs and logs.get("epoch_seconds"):
+            self.seconds.append(float(logs["epoch_seconds"]))
+            report["seconds_left"] = epoch_seconds_median(self.seconds) * (self.epochs - epoch - 1)
+        self.report(report)

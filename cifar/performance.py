@@ -251,8 +251,12 @@ def _read_cache(path: Path) -> dict:
     return cache if isinstance(cache, dict) else {}
 
 
-def measure_images_per_second(train: TrainConfig) -> dict[str, float]:
-    """Training images per second of the run's model in each precision: a compiled SGD step on one fixed batch."""
+def measure_images_per_second(
+    train: TrainConfig, precisions: tuple[str, ...] = MEASURED_PRECISIONS
+) -> dict[str, float]:
+    """Training images per second of the run's model in each precision: a compiled SGD step on one fixed batch.
+
+    Leaves the float32 policy and a cleared Keras session behind."""
     from cifar.models import build_model, input_size  # The model zoo is only needed when measuring.
 
     batch_size, size = min(train.batch_size, MEASURE_BATCH_SIZE), input_size(train.model)
@@ -261,7 +265,7 @@ def measure_images_per_second(train: TrainConfig) -> dict[str, float]:
     labels = tf.constant(random.integers(0, 10, batch_size, dtype=np.int32))
     speeds = {}
     try:
-        for precision in MEASURED_PRECISIONS:
+        for precision in precisions:
             keras.mixed_precision.set_global_policy(precision)
             model = build_model(
                 train.model,

@@ -75,6 +75,9 @@ class TrainResult(StageResult):
     val_accuracy: float | None  # Of the best epoch; None without a validation split.
     metrics: dict[str, float]  # The last epoch's metrics.
     model: str
+    training_seconds: float | None = None  # The checkpointed epochs' wall time, validation included.
+    estimate: str | None = None  # What was said before this attempt's epochs started (cifar.estimate).
+    estimated_seconds: float | None = None
 
 
 class EvaluationResult(StageResult):

@@ -27,12 +27,20 @@ from cifar.results import (
     TrainResult,
     ValidationResult,
 )
+from cifar.text import duration
 from cifar.tracking import UI_MODE_QUERY, mlflow_client, runs_table_url
 from cifar.workdir import summary_path
 
 SUMMARY_VERSION = 2  # 1 was the flat dict of issue 34 and before (no `summary_version` key).
 logger = logging.getLogger(__name__)
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"  # Where `make mlflow-ui` serves a local store (MLFLOW_PORT=5000).
+
+
+def training_time(training: TrainResult) -> str | None:
+    """What the epochs took, and what was estimated before the last attempt's epochs (cifar.estimate)."""
+    took = f"{training.training_seconds / 60:.1f} min" if training.training_seconds else None
+    estimated = f"estimated {duration(training.estimated_seconds)}" if training.estimated_seconds else None
+    return " (".join(part for part in (took, estimated) if part) + (")" if took and estimated else "") or None
 
 
 def percent(value: float | None) -> str | None:
@@ -214,6 +222,7 @@ class PipelineSummary(BaseModel):
             ("Data validation", self.validation.summary),
             ("Training run", self.training_run()),
             ("Epochs completed", training and training.epochs_completed),
+            ("Training time (estimated before it)", training and training_time(training)),
             ("Validation accuracy (best epoch)", training and percent(training.val_accuracy)),
         ]
         if evaluation is not None:

@@ -32,3 +32,12 @@ _BRIEF.maxlong = 40
 def brief(value: Any) -> str:
     """repr(value), bounded however large or deeply nested the value: only what is shown is visited."""
     return shortened(_BRIEF.repr(value), 2 * SHOWN_CHARACTERS)
+
+
+def duration(seconds: float) -> str:
+    """About how long, in the unit a person reads best: 40 s, 16 min, 2.3 h."""
+    if seconds < 90:
+        return f"about {seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"about {seconds / 60:.0f} min"
+    return f"about {seconds / 3600:.1f} h"

@@ -35,6 +35,7 @@ from cifar.callbacks import (
 from cifar.checkpoints import CheckpointIndex, RunDirectory, TrainingStart, history_rows, load_index
 from cifar.config import PipelineConfig, resolve_workdir
 from cifar.data.manifest import Manifest, load_manifest
+from cifar.estimate import SpeedMemory, TrainingEstimate, announce_estimate
 from cifar.input_pipeline import make_eval_dataset, make_train_dataset, split_size
 from cifar.layers import PatchWhitening
 from cifar.models import build_model, init_whitening, input_size
@@ -295,6 +296,8 @@ def _train(
         job, start = _join(job, rendezvous, index, start)
 
     performance = configure_performance(job.train, len(job.plan.gpu_ids), num_workers=job.plan.num_workers)
+    # What is left, said before it starts (the chief's; None when nothing is left).
+    estimate = announce_estimate(job.config, performance, job.steps_per_epoch, start.epoch, job.plan)
     keras.utils.set_random_seed(config.seed)
     if job.train.deterministic:
         tf.config.experimental.enable_op_determinism()
@@ -306,7 +309,7 @@ def _train(
     if start.checkpoint is not None:
         logger.info("resuming %s after %s", run.name, start.describe())
 
-    run_id = _open_tracking(job, history, performance) if job.plan.is_chief else None
+    run_id = _open_tracking(job, history, performance, estimate) if job.plan.is_chief else None
     checkpoint_dir = distribute.writable_dir(job.plan, run.checkpoint_dir)
     checkpointer = EpochCheckpoint(
         checkpoint_dir,
@@ -321,6 +324,8 @@ def _train(
     try:
         if start.epoch < job.train.epochs:
             all_callbacks = [*_callbacks(job, checkpointer, stopper, run_id, epoch_callback), *callbacks]
+            if estimate is not None:  # After EpochStatistics, which times the epoch.
+                all_callbacks.append(SpeedMemory(estimate, run.name))
             with stopper.watching():
                 _fit(job, model, start, all_callbacks, run_id)
     except (TrainingDivergedError, TrainingPreempted) as error:
@@ -335,7 +340,7 @@ def _train(
     finally:
         distribute.cleanup_dir(job.plan, checkpoint_dir)
 
-    result = _result(job, run_id, checkpointer.index, checkpointer.history)
+    result = _result(job, run_id, checkpointer.index, checkpointer.history, estimate)
     if job.plan.is_chief:
         _finish(job, run_id, checkpointer.history, result)
     return result
@@ -426,7 +431,9 @@ def _precise_bn_batches(job: TrainingJob) -> tf.data.Dataset:
     return dataset.take(-(-job.train.precise_bn_images // batch_size)).cache()
 
 
-def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict[str, str]) -> str:
+def _open_tracking(
+    job: TrainingJob, history: dict[str, list], performance: dict[str, str], estimate: TrainingEstimate | None
+) -> str:
     """The pipeline's MLflow run id: the one in state.json if the store still has it, else a new one.
 
     A new run gets every config field as a param, the dataset as an input, the config and the
@@ -442,6 +449,7 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
     attempt_tags = {
         "devices": job.plan.summary(),
         **{f"performance.{key}": value for key, value in performance.items()},
+        **(estimate.tags() if estimate else {}),
     }
     run_id = run.read_state().get("mlflow_run_id")
     if not (run_id and tracking.run_exists(uri, run_id)):
@@ -461,6 +469,8 @@ def _open_tracking(job: TrainingJob, history: dict[str, list], performance: dict
         params = {key: value for key, value in job.config.flat().items() if key != "tracking.run_name"}
         # What `train.precision: auto` resolved to on the machine that started the run (tags: each attempt's).
         params["performance.precision"] = performance["precision"]
+        if estimate is not None and estimate.seconds is not None:  # The first attempt's, beside what it took.
+            params["estimated_training_minutes"] = round(estimate.seconds / 60, 1)
         tracking.log_params(uri, run_id, params)
         with tracking.use_run(uri, run_id):
             tracking.log_training_input(tracking.manifest_dataset(job.manifest, job.data_dir))
@@ -560,8 +570,11 @@ def _fit(job: TrainingJob, model: keras.Model, start: TrainingStart, callbacks: 
                 break
 
 
-def _result(job: TrainingJob, run_id: str | None, index: CheckpointIndex, history: dict[str, list]) -> TrainResult:
+def _result(
+    job: TrainingJob, run_id: str | None, index: CheckpointIndex, history: dict, estimate: TrainingEstimate | None
+) -> TrainResult:
     rows, best, run = history_rows(history), index.best, job.run
+    seconds = [value for value in history.get("epoch_seconds", []) if value is not None]
     return TrainResult(
         key=job.key,
         run_name=run.name,
@@ -574,6 +587,9 @@ def _result(job: TrainingJob, run_id: str | None, index: CheckpointIndex, histor
         val_accuracy=best.metrics.get("val_accuracy") if best else None,
         metrics=rows[-1][1] if rows else {},
         model=job.train.model,
+        training_seconds=sum(seconds) if seconds else None,
+        estimate=estimate.describe() if estimate else None,
+        estimated_seconds=estimate.seconds if estimate else None,
     )
 
 

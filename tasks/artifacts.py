@@ -18,6 +18,7 @@ from prefect.artifacts import (
 from cifar.io import atomic_write_json
 from cifar.results import EvaluationMetrics
 from cifar.summary import PipelineSummary, percent
+from cifar.text import duration
 from cifar.workdir import summary_path
 
 logger = logging.getLogger("tasks.artifacts")
@@ -66,14 +67,18 @@ class ProgressReporter:
         self.update(100.0 * fraction, f"{self.description}: {step}")
 
     def epoch(self, report: dict[str, Any]) -> None:
-        """Training callback: `{"epoch", "epochs", **metrics}` after each epoch."""
+        """Training callback: `{"epoch", "epochs", "seconds_left", **metrics}` after each epoch."""
         epoch, epochs = int(report["epoch"]), int(report["epochs"])
         shown = ", ".join(
             f"{name} {value:.4f}"
             for name, value in sorted(report.items())
-            if name not in {"epoch", "epochs"} and isinstance(value, float)
+            if name not in {"epoch", "epochs", "seconds_left"} and isinstance(value, float)
         )
-        self.update(100.0 * epoch / max(epochs, 1), f"{self.description}: epoch {epoch}/{epochs} ({shown})", force=True)
+        left = report.get("seconds_left")
+        eta = f", {duration(left)} left" if left and epoch < epochs else ""
+        self.update(
+            100.0 * epoch / max(epochs, 1), f"{self.description}: epoch {epoch}/{epochs}{eta} ({shown})", force=True
+        )
 
     def finish(self) -> None:
         self.update(100.0, force=True)

@@ -16,6 +16,7 @@ from cifar.callbacks import TrainingDivergedError
 from cifar.checkpoints import CheckpointEntry, CheckpointIndex, append_epoch, load_eval_model, load_index, updated_index
 from cifar.config import DataConfig, TrainConfig, make_config
 from cifar.data.prepare import prepare_data
+from cifar.estimate import estimate_training
 from cifar.models import build_model
 from cifar.plots import plot_training_curves
 from cifar.reuse import training_key
@@ -58,6 +59,13 @@ def test_tiny_model_learns_checkpoints_and_logs_one_mlflow_run(data_dir, tmp_pat
     }
     assert [entry["epoch"] for entry in progress] == [1, 2]
     assert all(entry["epochs"] == 2 for entry in progress)
+    assert progress[0]["seconds_left"] > 0 and progress[1]["seconds_left"] == 0  # The progress bar's ETA.
+    # Said before training (timed by the precision choice on a CPU with bfloat16 math, else too short to time);
+    # what it took is remembered for the next run here.
+    assert result.estimate.startswith("Training estimate: ") and "2 epochs of 768 images in all" in result.estimate
+    assert result.training_seconds > 0
+    again_estimate = estimate_training(config, {"precision": "float32"}, 2, 2, 1)
+    assert again_estimate.source.startswith("remembered: this pipeline trained tiny in float32")
 
     # One value per epoch, and the model learns.
     history = json.loads((Path(result.run_dir) / "history.json").read_text())
@@ -98,6 +106,7 @@ def test_tiny_model_learns_checkpoints_and_logs_one_mlflow_run(data_dir, tmp_pat
     assert "git_commit" in run.data.tags
     assert "1 replica" in run.data.tags["devices"]
     assert "performance.precision" in run.data.tags
+    assert run.data.tags["estimate"] == result.estimate
     assert len(run.inputs.dataset_inputs) == 1
     experiment = client.get_experiment_by_name(config.tracking.experiment)
     assert len(client.search_runs([experiment.experiment_id])) == 1
