@@ -37,6 +37,7 @@ SPEED_FILE = "training_speed.json"  # In this machine's cache directory (cifar.i
 PIPELINE_SHARE = 0.7
 MIN_IMAGES_TO_TIME = 50_000  # One CIFAR-10 epoch: shorter trainings are not timed only to be estimated.
 ACCURACY_MARGIN = 2.0  # Points of test accuracy a faster preset may lose and still be named.
+COFFEE_BREAK_SECONDS = 20 * 60  # An estimate longer than this names the preset that trains here within it.
 # Each preset's test accuracy (flip + translate TTA where measured) and training minutes, on one CPU with bfloat16
 # math (AMD EPYC, 2 cores): docs/BENCHMARKS.md "Time to accuracy" and "Recipe results".
 PRESET_RESULTS: dict[str, tuple[float, float]] = {
@@ -56,6 +57,7 @@ class TrainingEstimate:
     images_per_second: float | None  # None: not timed (a short training).
     source: str
     hint: str | None = None  # A faster preset within ACCURACY_MARGIN points, when there is one.
+    coffee_break: str | None = None  # For a long estimate: the preset that trains here in a coffee break.
     key: str = ""  # What the speed depends on (speed_key): where this training's own speed is remembered.
 
     @property
@@ -69,7 +71,7 @@ class TrainingEstimate:
         else:
             speed = f"{self.images_per_second:,.0f} images/s"
             line = f"Training estimate: {duration(self.seconds)} for {work} at {speed} ({self.source})"
-        return f"{line}. {self.hint}" if self.hint else line
+        return ". ".join(part for part in (line, self.hint, self.coffee_break) if part)
 
     def tags(self) -> dict[str, str]:
         """For the run (a tag per attempt: a resumed attempt estimates what is left)."""
@@ -156,7 +158,9 @@ def estimate_training(
             f"remembered: this pipeline trained {train.model} in {precision} at that speed here on "
             f"{remembered['measured_at']}, run {remembered.get('run', '?')}"
         )
-        return TrainingEstimate(images_per_second=remembered["images_per_second"], source=source, **base)
+        return with_coffee_break(
+            TrainingEstimate(images_per_second=remembered["images_per_second"], source=source, **base), config
+        )
     from cifar.performance import MEASURE_BATCH_SIZE, measure_images_per_second
 
     timed = performance.get(f"precision_{precision}_images_per_second")  # The precision choice's timing.
@@ -176,7 +180,9 @@ def estimate_training(
         f"{min(train.batch_size, MEASURE_BATCH_SIZE)}, x{PIPELINE_SHARE} for the pipeline; a rough first figure, "
         "the next run here remembers this one's speed"
     )
-    return TrainingEstimate(images_per_second=float(timed) * PIPELINE_SHARE, source=source, **base)
+    return with_coffee_break(
+        TrainingEstimate(images_per_second=float(timed) * PIPELINE_SHARE, source=source, **base), config
+    )
 
 
 def announce_estimate(
@@ -192,11 +198,32 @@ def announce_estimate(
     return estimate
 
 
+def with_coffee_break(estimate: TrainingEstimate, config: PipelineConfig) -> TrainingEstimate:
+    """An estimate longer than a coffee break names the preset that fits one here (its time scaled from this one's
+    by PRESET_RESULTS), for a run of a preset as it stands: on a CPU without bfloat16 math `fast` takes 1.5 hours."""
+    name, seconds = config.preset, estimate.seconds
+    if seconds is None or seconds <= COFFEE_BREAK_SECONDS or not _unmodified_preset(config):
+        return estimate
+    minutes = PRESET_RESULTS[name][1]
+    fits = [(accuracy, other, seconds * other_minutes / minutes) for other, (accuracy, other_minutes) in
+            PRESET_RESULTS.items() if seconds * other_minutes / minutes <= COFFEE_BREAK_SECONDS]  # fmt: skip
+    if not fits:
+        return estimate
+    accuracy, other, other_seconds = max(fits)
+    took = duration(other_seconds)
+    line = f"For a coffee break: `--preset {other}` ({accuracy:.1f} % test accuracy) would take {took} here"
+    return dataclasses.replace(estimate, coffee_break=line)
+
+
+def _unmodified_preset(config: PipelineConfig) -> bool:
+    return config.preset in PRESET_RESULTS and config.train == make_config(config.preset).train
+
+
 def faster_preset_hint(config: PipelineConfig) -> str | None:
     """A preset reaching within ACCURACY_MARGIN points of the run's preset in at most half its time, if any: the
     most accurate such one. Only for a run of a preset as it stands (its training fields not overridden)."""
     name = config.preset
-    if name not in PRESET_RESULTS or config.train != make_config(name).train:
+    if not _unmodified_preset(config):
         return None
     accuracy, minutes = PRESET_RESULTS[name]
     faster = [

@@ -88,6 +88,20 @@ def test_a_faster_preset_within_two_points_is_named_and_nothing_is_switched():
     assert estimate.describe().endswith("--preset fast to use it")
 
 
+def test_a_long_estimate_names_the_preset_for_a_coffee_break():
+    config = make_config("fast")  # On a CPU without bfloat16 math: ~100 images/s, about 1.5 hours.
+    steps = 50_000 // config.train.batch_size
+    estimates.remember_speed(speed_key(config.train, "float32", 1), 100.0, "fast-avx2")
+    estimate = estimate_training(config, {"precision": "float32"}, steps, 12, 1, time_steps=never_timed)
+    sprint = estimate.seconds * estimates.PRESET_RESULTS["sprint"][1] / estimates.PRESET_RESULTS["fast"][1]
+    assert estimate.coffee_break == (
+        f"For a coffee break: `--preset sprint` (87.5 % test accuracy) would take {duration(sprint)} here"
+    )
+    assert estimate.describe().endswith(estimate.coffee_break)
+    estimates.remember_speed(speed_key(config.train, "float32", 1), 1000.0, "fast-bf16")  # 10 minutes: no break.
+    assert estimate_training(config, {"precision": "float32"}, steps, 12, 1).coffee_break is None
+
+
 def test_the_speed_is_remembered_from_whole_epochs_after_the_first():
     config = make_config("smoke")
     estimate = TrainingEstimate(epochs=3, images=3 * 7_680, images_per_second=None, source="", key="k")
