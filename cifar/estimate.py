@@ -11,7 +11,8 @@ assumes, where that speed comes from, and the time for the epochs left. The spee
 3. none: a training shorter than MIN_IMAGES_TO_TIME images is not worth timing; the line says so.
 
 Where another preset reaches within ACCURACY_MARGIN points of this one's in at most half the time (the figures in
-PRESET_RESULTS), the line says so; nothing is switched.
+PRESET_RESULTS), the line says so, and an estimate longer than a coffee break names the preset that fits one here;
+nothing is switched.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def remembered_speed(key: str) -> dict | None:
         logger.warning("Ignoring the unreadable training speeds %s: %s", speed_path(), error)
         return None
     entry = speeds.get(key) if isinstance(speeds, dict) else None
-    return entry if isinstance(entry, dict) and entry.get("images_per_second", 0) > 0 else None
+    speed = entry.get("images_per_second") if isinstance(entry, dict) else None
+    return entry if isinstance(speed, int | float) and speed > 0 else None
 
 
 def remember_speed(key: str, images_per_second: float, run_name: str) -> None:

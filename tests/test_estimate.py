@@ -121,6 +121,8 @@ def test_an_unreadable_speed_file_is_ignored():
     assert estimates.remembered_speed("k") is None
     estimates.remember_speed("k", 10.0, "run")  # And written again.
     assert estimates.remembered_speed("k")["images_per_second"] == 10.0
+    estimates.speed_path().write_text('{"k": {"images_per_second": "fast"}, "j": {"images_per_second": -1}}')
+    assert estimates.remembered_speed("k") is None and estimates.remembered_speed("j") is None
 
 
 def test_the_progress_bar_gets_the_time_left():
