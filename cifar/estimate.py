@@ -85,23 +85,11 @@ class TrainingEstimate:
 
 
 def speed_key(train: TrainConfig, precision: str, num_replicas: int) -> str:
-    """What a training's speed depends on: the CPU and libraries (as for the precision choice), the model as the run
-    builds it, its precision, its batch and how many replicas share it."""
-    from cifar.performance import cpu_bf16_flags, cpu_model_name, onednn_enabled
+    """What a training's speed depends on: what the precision choice's timing does (the CPU, the libraries, the
+    model as the run builds it), then the precision, the run's own batch and how many replicas share it."""
+    from cifar.performance import precision_cache_key
 
-    parts = [
-        cpu_model_name(),
-        ",".join(cpu_bf16_flags()) or "no-bf16",
-        f"keras {keras.__version__}",
-        f"onednn {'on' if onednn_enabled() else 'off'}",
-        train.model,
-        precision,
-        f"batch {train.batch_size}",
-        f"replicas {num_replicas}",
-        f"fused_batchnorm {train.fused_batchnorm}",
-        f"fused_gelu {train.fused_gelu}",
-    ]
-    return " | ".join(parts)
+    return f"{precision_cache_key(train)} | {precision} | global batch {train.batch_size} | replicas {num_replicas}"
 
 
 def speed_path() -> Path:

@@ -40,7 +40,9 @@ def training_time(training: TrainResult) -> str | None:
     """What the epochs took, and what was estimated before the last attempt's epochs (cifar.estimate)."""
     took = f"{training.training_seconds / 60:.1f} min" if training.training_seconds else None
     estimated = f"estimated {duration(training.estimated_seconds)}" if training.estimated_seconds else None
-    return " (".join(part for part in (took, estimated) if part) + (")" if took and estimated else "") or None
+    if took and estimated:
+        return f"{took} ({estimated})"
+    return took or estimated
 
 
 def percent(value: float | None) -> str | None:

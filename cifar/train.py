@@ -38,6 +38,7 @@ from cifar.data.manifest import Manifest, load_manifest
 from cifar.estimate import SpeedMemory, TrainingEstimate, announce_estimate
 from cifar.input_pipeline import make_eval_dataset, make_train_dataset, split_size
 from cifar.layers import PatchWhitening
+from cifar.losses import SparseCrossentropyWithSmoothing
 from cifar.models import build_model, init_whitening, input_size
 from cifar.optimizers import ConvMuon, GroupedSGD, is_conv_filter
 from cifar.performance import configure_performance
@@ -50,25 +51,6 @@ from cifar.workdir import run_dir
 __all__ = ["TrainResult", "TrainingDivergedError", "TrainingPreempted", "default_run_name", "train"]
 
 logger = logging.getLogger(__name__)
-
-
-@keras.saving.register_keras_serializable(package="cifar")
-class SparseCrossentropyWithSmoothing(keras.losses.Loss):
-    """Cross-entropy from logits with integer labels and label smoothing (Keras' sparse loss has none)."""
-
-    def __init__(self, label_smoothing: float = 0.0, num_classes: int = 10, name: str = "crossentropy", **kwargs):
-        super().__init__(name=name, **kwargs)
-        self.label_smoothing = float(label_smoothing)
-        self.num_classes = int(num_classes)
-
-    def call(self, y_true, y_pred):
-        one_hot = keras.ops.one_hot(keras.ops.cast(keras.ops.reshape(y_true, [-1]), "int32"), self.num_classes)
-        return keras.losses.categorical_crossentropy(
-            one_hot, y_pred, from_logits=True, label_smoothing=self.label_smoothing
-        )
-
-    def get_config(self) -> dict:
-        return {**super().get_config(), "label_smoothing": self.label_smoothing, "num_classes": self.num_classes}
 
 
 def default_run_name(model: str, key: str) -> str:
@@ -603,9 +585,8 @@ def _finish(job: TrainingJob, run_id: str, history: dict[str, list], result: Tra
 
     plot_path = plot_training_curves(history, job.run.plot_path)
     # Single values a person compares across runs (no step: the runs table and bar charts show them).
-    seconds = [value for value in history.get("epoch_seconds", []) if value is not None]
     summary = {"best_val_accuracy": result.val_accuracy, "epochs_completed": result.epochs_completed}
-    summary["training_time_s"] = sum(seconds) if seconds else None  # Wall time of the epochs, validation included.
+    summary["training_time_s"] = result.training_seconds  # Wall time of the epochs, validation included.
     with tracking.use_run(job.tracking_uri, run_id):
         mlflow.log_metrics(tracking.finite_metrics(summary))
         mlflow.log_artifact(str(plot_path))
