@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import getpass
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -157,10 +159,10 @@ def register_and_promote(
                 model_uri = model_info.model_uri
             else:  # Registered by an attempt that died before the gate decided.
                 number, model_uri = int(version.version), version.source
-            result = _decide(client, tracking_uri, config, key, number, model_uri, data_dir)
+            result, judgement = _decide(client, tracking_uri, config, key, number, model_uri, data_dir)
             if evaluation is not None:
                 card = write_model_card(
-                    client, config, export_result, data_dir, evaluation, result, mlflow_run_id, trained_with
+                    client, config, export_result, data_dir, evaluation, result, mlflow_run_id, trained_with, judgement
                 )
                 result = _with_model_card(client, model_name, result, card)
     return result
@@ -200,11 +202,12 @@ def _version_tags(export_result: ExportResult, trained_with: TrainedWith | None)
 
 def _decide(
     client, tracking_uri: str, config: PipelineConfig, key: str, version: int, model_uri: str, data_dir: str | Path
-) -> PromotionResult:
+) -> tuple[PromotionResult, Judgement]:
     """The gate on a registered version: judged against the champion, its monitoring reference and decision recorded."""
-    comparison, reference = judge(client, tracking_uri, config, version, data_dir)
-    client.set_model_version_tag(config.export.model_name, str(version), REFERENCE_TAG, reference.model_dump_json())
-    return _record(client, config, key, version, model_uri, comparison)
+    judgement = judge(client, tracking_uri, config, version, data_dir)
+    reference = judgement.reference.model_dump_json()
+    client.set_model_version_tag(config.export.model_name, str(version), REFERENCE_TAG, reference)
+    return _record(client, config, key, version, model_uri, judgement.comparison), judgement
 
 
 def _with_model_card(client, model_name: str, result: PromotionResult, card: Path) -> PromotionResult:
@@ -224,23 +227,21 @@ def write_model_card(
     result: PromotionResult,
     run_id: str | None,
     trained_with: TrainedWith | None,
+    judgement: Judgement,
 ) -> Path:
-    """The version's model card: written under WORKDIR/model_cards/, logged to its run, linked from its description."""
-    import mlflow
-    import tensorflow as tf
+    """The version's model card: written under WORKDIR/model_cards/, logged to its run, linked from its description.
 
-    from cifar.evaluate import load_split
-    from cifar.export import INPUT_NAME, SERVING_SIGNATURE
+    Its figures come from the model the gate judged (`judgement`: the registered version, loaded once)."""
+    import mlflow
+
     from cifar.tracking import git_commit
 
     model_name, version = config.export.model_name, int(result.registered_model_version)
-    serve = tf.saved_model.load(export_result.export_dir).signatures[SERVING_SIGNATURE]
+    images, labels, predictions = judgement.test_images, judgement.test_labels, judgement.test_classes
 
-    def predict(images: np.ndarray) -> np.ndarray:
-        return serve(**{INPUT_NAME: tf.constant(images)})["class_ids"].numpy()
+    def predict(batch: np.ndarray) -> np.ndarray:
+        return judgement.challenger(batch).argmax(axis=1)
 
-    images, labels = load_split(data_dir, "test")
-    predictions = np.concatenate([predict(images[start : start + 500]) for start in range(0, len(images), 500)])
     manifest = load_manifest(data_dir)
     robust = config.export.card_robustness_examples  # The first N test images (None: all).
     inputs = CardInputs(
@@ -276,28 +277,42 @@ def _input_example(input_example: np.ndarray | None) -> np.ndarray:
     return np.asarray(input_example, dtype=np.uint8)
 
 
-def predicted_probabilities(model_uri: str, images: np.ndarray) -> np.ndarray:
-    """The probabilities (N, 10) of a registered model, loaded as serving loads it (its pyfunc), in batches."""
+Scorer = Callable[[np.ndarray], np.ndarray]  # uint8 images (N, 32, 32, 3) -> probabilities (N, 10).
+
+
+def registered_scorer(model_uri: str) -> Scorer:
+    """A registered model loaded once as serving loads it (its pyfunc); it scores images in batches. Its classes
+    are the argmax of these probabilities, as serving answers them."""
     import mlflow
 
     model = mlflow.pyfunc.load_model(model_uri)
-    batches = [
-        np.asarray(model.predict(images[start : start + SCORING_BATCH])["probabilities"])
-        for start in range(0, len(images), SCORING_BATCH)
-    ]
-    return np.concatenate(batches) if batches else np.zeros((0, 10), np.float32)
+
+    def probabilities(images: np.ndarray) -> np.ndarray:
+        batches = [
+            np.asarray(model.predict(images[start : start + SCORING_BATCH])["probabilities"])
+            for start in range(0, len(images), SCORING_BATCH)
+        ]
+        return np.concatenate(batches) if batches else np.zeros((0, 10), np.float32)
+
+    return probabilities
 
 
-def predicted_classes(model_uri: str, images: np.ndarray) -> np.ndarray:
-    """The class ids a registered model predicts (the argmax of its probabilities, as its serving does)."""
-    return predicted_probabilities(model_uri, images).argmax(axis=1)
+@dataclass(frozen=True)
+class Judgement:
+    """The gate's findings on a challenger, and what its model card reuses rather than computing again."""
+
+    comparison: Comparison
+    reference: MonitoringReference  # The challenger's monitoring reference.
+    challenger: Scorer  # The registered challenger, loaded once.
+    test_images: np.ndarray
+    test_labels: np.ndarray
+    test_classes: np.ndarray  # The challenger's class ids on the test images.
 
 
-def judge(
-    client, tracking_uri: str, config: PipelineConfig, version: int, data_dir: str | Path
-) -> tuple[Comparison, MonitoringReference]:
+def judge(client, tracking_uri: str, config: PipelineConfig, version: int, data_dir: str | Path) -> Judgement:
     """The challenger `version` against the current champion, on the test split and new_data slice of `data_dir`,
-    and the challenger's monitoring reference (its training images, its answers on the test split)."""
+    and the challenger's monitoring reference (its training images, its answers on the test split). Each model
+    is loaded once (a load is seconds: fetched from the artifact store, then TensorFlow's)."""
     from cifar.compat import mlflow_tracking_uri
     from cifar.evaluate import load_split, slice_examples
 
@@ -309,22 +324,23 @@ def judge(
     if champion is not None and champion.version == version:  # An earlier attempt moved the alias, then died.
         champion = _previous_champion(client, model_name, version)
     with mlflow_tracking_uri(tracking_uri):  # models:/ URIs resolve against this registry.
-        challenger_uri = f"models:/{model_name}/{version}"
-        probabilities = predicted_probabilities(challenger_uri, images)
-        challenger = (version, probabilities.argmax(axis=1))
-        champion_scores = None
-        if champion is not None:
-            champion_uri = f"models:/{model_name}/{champion.version}"
-            champion_scores = (champion.version, predicted_classes(champion_uri, images))
-        slice_scores = None
-        if new_data is not None:
-            slice_images, slice_labels = new_data
-            champion_slice = predicted_classes(champion_uri, slice_images) if champion is not None else None
-            slice_scores = (slice_labels, predicted_classes(challenger_uri, slice_images), champion_slice)
+        score_challenger = registered_scorer(f"models:/{model_name}/{version}")
+        score_champion = registered_scorer(f"models:/{model_name}/{champion.version}") if champion else None
+    probabilities = score_challenger(images)
+    challenger = (version, probabilities.argmax(axis=1))
+    champion_scores = None
+    if score_champion is not None:
+        champion_scores = (champion.version, score_champion(images).argmax(axis=1))
+    slice_scores = None
+    if new_data is not None:
+        slice_images, slice_labels = new_data
+        champion_slice = score_champion(slice_images).argmax(axis=1) if score_champion else None
+        slice_scores = (slice_labels, score_challenger(slice_images).argmax(axis=1), champion_slice)
     comparison = compare(
         model_name, manifest.class_names, labels, challenger, champion_scores, config.export, new_data=slice_scores
     )
-    return comparison, monitoring_reference(data_dir, probabilities, config.monitor.confidence_threshold)
+    reference = monitoring_reference(data_dir, probabilities, config.monitor.confidence_threshold)
+    return Judgement(comparison, reference, score_challenger, images, labels, challenger[1])
 
 
 def monitoring_reference(data_dir: str | Path, test_probabilities: np.ndarray, threshold: float) -> MonitoringReference:
