@@ -62,7 +62,7 @@ def check_resume(context: Context, row: Row) -> None:
     def logged():
         return any(wanted in message for message in stack.flow_run_logs(flow_run_id))
 
-    wait_until(f"the log line '{wanted}'", logged, timeout=60, interval=3)
+    wait_until(f"the log line '{wanted}'", logged, timeout=60, interval=1)
     history = stack.read_json("worker", f"{KILL_RUN_DIR}/history.json") or {}
     state = stack.read_json("worker", f"{KILL_RUN_DIR}/state.json") or {}
     if history.get("epoch") != [1, 2, 3, 4] or state.get("status") != "completed":

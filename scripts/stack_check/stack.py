@@ -240,4 +240,5 @@ class Stack:
                 raise StepError(f"flow run {run['name']} ended {state}: {run['state'].get('message')}")
             return None
 
-        return wait_until(f"flow run {flow_run_id} in {'/'.join(sorted(states))}", probe, timeout, interval=3)
+        # Every second: one small API read, and each drill waits for several flow runs (3 s cost ~1.5 s per wait).
+        return wait_until(f"flow run {flow_run_id} in {'/'.join(sorted(states))}", probe, timeout, interval=1)
