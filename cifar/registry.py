@@ -325,7 +325,7 @@ def judge(client, tracking_uri: str, config: PipelineConfig, version: int, data_
         champion = _previous_champion(client, model_name, version)
     with mlflow_tracking_uri(tracking_uri):  # models:/ URIs resolve against this registry.
         score_challenger = registered_scorer(f"models:/{model_name}/{version}")
-        score_champion = registered_scorer(f"models:/{model_name}/{champion.version}") if champion else None
+        score_champion = registered_scorer(f"models:/{model_name}/{champion.version}") if champion is not None else None
     probabilities = score_challenger(images)
     challenger = (version, probabilities.argmax(axis=1))
     champion_scores = None
