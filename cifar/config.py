@@ -296,6 +296,18 @@ class EvaluateConfig(Section):
     )
     batch_size: int = Field(500, ge=1, le=65_536)
     misclassified_examples: int = Field(36, ge=0, le=400, description="Images in the misclassified grid.")
+    calibration: bool = Field(
+        True,
+        description="Fit a temperature on the validation split (none when nothing is held out) and report ECE, NLL, "
+        "Brier before and after it, with accuracy at 50/80/90/95 % coverage.",
+    )
+    robustness_images: int | None = Field(
+        2_000,
+        ge=0,
+        le=10_000,
+        description="Test images measured under the 15 CIFAR-10-C corruptions at 5 severities (a fixed subset; "
+        "0: not measured; None: all of them, for headline figures).",
+    )
 
 
 class ExportConfig(Section):
@@ -320,6 +332,20 @@ class ExportConfig(Section):
         lt=1,
         description="Level of McNemar's exact test on the images where the models disagree: a challenger "
         "significantly worse is refused whatever the tolerance.",
+    )
+    max_corruption_drop: float | None = Field(
+        0.03,
+        ge=0,
+        le=1,
+        description="Largest loss of mean accuracy under the CIFAR-10-C corruptions against the champion, on the same "
+        "corrupted images (0.03 = 3 points; null: reported, not a rule).",
+    )
+    max_ece_increase: float | None = Field(
+        0.03,
+        ge=0,
+        le=1,
+        description="Largest rise of the served probabilities' calibration error (ECE, 15 bins) on the test split "
+        "against the champion's (0.03 = 3 points; null: reported, not a rule).",
     )
     # The model card's robustness table: its 5 perturbations cost ~1.8 s per 1,000 images on 2 AMD EPYC cores.
     card_robustness_examples: int | None = Field(2_000, ge=1, description="The first N test images (None: all).")
@@ -419,7 +445,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "smoke": {
         "train": {"model": "tutorial", "epochs": 2, "steps_per_epoch": 60, "batch_size": 128,
                   "schedule": "constant", "learning_rate": 0.05, "keep_checkpoints": 2},
-        "evaluate": {"flip_tta": False},
+        # 20 images under each corruption: the robustness code runs, in about a second; the figure is noise.
+        "evaluate": {"flip_tta": False, "robustness_images": 20},
+        # Nor does the gate weigh what 20 images and a barely trained net say: reported, not rules.
+        "export": {"max_corruption_drop": None, "max_ece_increase": None},
     },
     # The estimator's ResNet recipe: 0.1 at batch 128, x0.1/x0.01/x0.002 at epochs 82/123/300 of ~170.
     "full": {"train": {"model": "resnet56", "epochs": 164, "schedule": "piecewise"}},

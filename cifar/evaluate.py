@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from cifar import failpoints, plots
+from cifar import failpoints, plots, trust
 from cifar.checkpoints import CheckpointEntry, index_digest, load_eval_model, load_index, select_for_evaluation
 from cifar.config import EvaluateConfig, PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE, NEW_DATA_SLICE, NUM_CLASSES, Manifest, load_manifest
@@ -75,8 +75,11 @@ def model_input_size(model) -> int:
     return int(model.input_shape[1])
 
 
-def predict_logits(model, images: np.ndarray, batch_size: int, *, flip: bool = False) -> np.ndarray:
-    """Float32 logits (N, 10) of uint8 images (already cropped to the model's size), in batches."""
+def logits_function(model, batch_size: int, *, flip: bool = False) -> Callable[[np.ndarray], np.ndarray]:
+    """uint8 images (already cropped to the model's size) -> float32 logits (N, 10), in batches.
+
+    The model's forward pass is traced once for every call of the returned function (a function traced
+    per call costs a trace each time: TensorFlow warns after five)."""
     import tensorflow as tf
 
     @tf.function(reduce_retracing=True)
@@ -86,9 +89,17 @@ def predict_logits(model, images: np.ndarray, batch_size: int, *, flip: bool = F
             batch = tf.reverse(batch, axis=[2])  # Horizontal flip: reverse the width axis.
         return tf.cast(model(batch, training=False), tf.float32)
 
-    batches = (images[start : start + batch_size] for start in range(0, len(images), batch_size))
-    outputs = [forward(tf.constant(batch)).numpy() for batch in batches]
-    return np.concatenate(outputs) if outputs else np.zeros((0, NUM_CLASSES), np.float32)
+    def logits(images: np.ndarray) -> np.ndarray:
+        batches = (images[start : start + batch_size] for start in range(0, len(images), batch_size))
+        outputs = [forward(tf.constant(batch)).numpy() for batch in batches]
+        return np.concatenate(outputs) if outputs else np.zeros((0, NUM_CLASSES), np.float32)
+
+    return logits
+
+
+def predict_logits(model, images: np.ndarray, batch_size: int, *, flip: bool = False) -> np.ndarray:
+    """Float32 logits (N, 10) of uint8 images (already cropped to the model's size), in batches."""
+    return logits_function(model, batch_size, flip=flip)(images)
 
 
 def translated(images: np.ndarray, rows: int, columns: int) -> np.ndarray:
@@ -228,9 +239,16 @@ def evaluate_checkpoint(
 
 
 def log_to_mlflow(
-    tracking_uri: str, run_id: str, epoch: int, metrics: dict[str, Any], per_checkpoint: list[dict], output_dir: Path
+    tracking_uri: str,
+    run_id: str,
+    epoch: int,
+    metrics: dict[str, Any],
+    per_checkpoint: list[dict],
+    output_dir: Path,
+    measured: trust.TrustReport | None = None,
 ) -> None:
-    """Test metrics at step = the checkpoint's epoch, and the evaluation files under `evaluation/`."""
+    """Test metrics at step = the checkpoint's epoch (calibration and robustness too), and the evaluation files
+    under `evaluation/`."""
     import mlflow
 
     with use_run(tracking_uri, run_id):
@@ -245,6 +263,8 @@ def log_to_mlflow(
         values["test_accuracy_deduplicated"] = metrics.get("test_accuracy_deduplicated")
         values["new_data_accuracy"] = metrics.get("new_data_accuracy")
         # Per-class precision and recall stay in evaluation/metrics.json: twenty more charts hide the ones compared.
+        if measured is not None:
+            values.update(measured.metrics())
         mlflow.log_metrics(finite_metrics(values), step=epoch)
         mlflow.set_tag("evaluation.epoch", str(epoch))
         mlflow.log_artifacts(str(output_dir), artifact_path="evaluation")
@@ -296,11 +316,23 @@ def evaluate(
     metrics = checkpoint_metrics(config, data_dir, manifest, checkpoint_dir, chosen, best_outcome, labels)
     metrics["per_checkpoint"] = per_checkpoint
     files = write_evaluation_files(output_dir, config.evaluate, manifest, images, labels, best_outcome, metrics)
+    has_validation = config.evaluate.calibration and "validation" in manifest.splits
+    validation = load_split(data_dir, "validation") if has_validation else (images[:0], labels[:0])
+    test = (images, labels, best_outcome["probabilities"])
+    cache = trust.corruption_cache(data_dir)
+    measured = trust.measure(config.evaluate, checkpoint_dir, chosen, test, validation, output_dir, cache)
     if mlflow_run_id:
         tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
-        log_to_mlflow(tracking_uri, mlflow_run_id, chosen.epoch, metrics, per_checkpoint, output_dir)
+        log_to_mlflow(tracking_uri, mlflow_run_id, chosen.epoch, metrics, per_checkpoint, output_dir, measured)
     result = EvaluationResult(
-        key=key, **{name: metrics[name] for name in RESULT_METRICS}, **files, per_checkpoint=per_checkpoint
+        key=key,
+        **{name: metrics[name] for name in RESULT_METRICS},
+        **files,
+        per_checkpoint=per_checkpoint,
+        trust_path=str(output_dir / trust.TRUST_NAME) if measured else None,
+        temperature=measured.temperature if measured else None,
+        ece=measured.ece if measured else None,
+        mean_corruption_accuracy=measured.mean_corruption_accuracy if measured else None,
     )
     failpoints.reached("evaluate.scored")
     atomic_write_json(output_dir / RESULT_NAME, result.model_dump(exclude={"reused"}))
@@ -423,6 +455,7 @@ def find_evaluation(output_dir: str | Path, key: str) -> EvaluationResult | None
         return None
     result = EvaluationResult.model_validate({**read_json(path), "reused": True})
     files = (result.metrics_path, result.predictions_path, result.confusion_matrix_plot, result.misclassified_plot)
+    files += (result.trust_path,) if result.trust_path else ()
     if result.key != key or not all(Path(file).is_file() for file in files):
         return None
     return result

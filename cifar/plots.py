@@ -197,3 +197,64 @@ def drift_png(
     buffer = io.BytesIO()
     FigureCanvasAgg(figure).print_png(buffer)
     return buffer.getvalue()
+
+
+def reliability_png(before, after, temperature: float | None) -> bytes:
+    """The reliability diagram: accuracy against confidence per bin, raw softmax and after temperature scaling.
+
+    `before` and `after` are `cifar.calibration.ReliabilityBins`; bars show each bin's accuracy, the
+    diagonal is perfect calibration, and each panel's title gives its ECE. Without a temperature (nothing
+    held out to fit it on), the softmax panel alone."""
+    panels = [(before, "softmax")]
+    if temperature is not None:
+        panels.append((after, f"temperature {temperature:.2f}"))
+    figure = Figure(figsize=(4.5 * len(panels), 4))
+    for position, (bins, label) in enumerate(panels):
+        axes = figure.add_subplot(1, len(panels), position + 1)
+        edges = np.asarray(bins.edges)
+        centres, width = (edges[:-1] + edges[1:]) / 2, edges[1] - edges[0]
+        accuracy = np.nan_to_num(np.asarray(bins.accuracy))
+        confidence = np.nan_to_num(np.asarray(bins.confidence))
+        axes.bar(centres, accuracy, width=width * 0.95, color="tab:blue", alpha=0.8, label="accuracy")
+        # Each bin's mean confidence as an outline: above the bar, over-confident; below it, under-confident.
+        axes.bar(centres, confidence, width=width * 0.95, fill=False, edgecolor="tab:red", label="mean confidence")
+        axes.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1)
+        axes.set_xlim(0, 1)
+        axes.set_ylim(0, 1)
+        axes.set_xlabel("confidence (top probability)")
+        axes.set_ylabel("accuracy")
+        axes.set_title(f"{label}: ECE {100 * bins.expected_calibration_error:.2f} %", fontsize=10)
+        if position == 0:
+            axes.legend(fontsize=8, loc="upper left")
+    figure.subplots_adjust(left=0.08, right=0.98, top=0.9, bottom=0.14, wspace=0.25)
+    buffer = io.BytesIO()
+    FigureCanvasAgg(figure).print_png(buffer)
+    return buffer.getvalue()
+
+
+def corruption_heatmap_png(accuracy: Mapping[str, Sequence[float]], clean_accuracy: float) -> bytes:
+    """Accuracy (%) per corruption (rows) and severity 1-5 (columns), with each row's mean and the clean figure."""
+    from cifar.corruptions import CORRUPTIONS
+
+    # The benchmark's order (noise, blur, weather, digital), whatever order a JSON file kept them in.
+    names = [name for name in CORRUPTIONS if name in accuracy] + [name for name in accuracy if name not in CORRUPTIONS]
+    values = 100 * np.asarray([accuracy[name] for name in names], np.float64)
+    figure = Figure(figsize=(6.5, 0.38 * len(names) + 1.4))
+    axes = figure.add_subplot(1, 1, 1)
+    image = axes.imshow(values, cmap="viridis", vmin=0, vmax=100, aspect="auto")
+    for row, column in np.ndindex(values.shape):
+        shade = "white" if values[row, column] < 60 else "black"
+        axes.text(column, row, f"{values[row, column]:.1f}", ha="center", va="center", fontsize=7, color=shade)
+    axes.set_xticks(range(values.shape[1]), labels=[f"severity {s}" for s in range(1, values.shape[1] + 1)], fontsize=8)
+    means = values.mean(axis=1)
+    axes.set_yticks(range(len(names)), labels=[f"{n.replace('_', ' ')} ({m:.1f})" for n, m in zip(names, means)],
+                    fontsize=8)  # fmt: skip
+    axes.set_title(
+        f"accuracy under corruption (%): mean {values.mean():.1f}, clean {100 * clean_accuracy:.1f}", fontsize=10
+    )
+    figure.subplots_adjust(left=0.3, right=0.86, top=0.93, bottom=0.06)
+    colorbar = figure.colorbar(image, ax=axes, fraction=0.05, pad=0.03)
+    colorbar.ax.tick_params(labelsize=7)
+    buffer = io.BytesIO()
+    FigureCanvasAgg(figure).print_png(buffer)
+    return buffer.getvalue()

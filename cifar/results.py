@@ -100,6 +100,11 @@ class EvaluationResult(StageResult):
     confusion_matrix_plot: str
     misclassified_plot: str
     per_checkpoint: list[dict]  # epoch, accuracy, loss (and val_accuracy) for every evaluated checkpoint.
+    # Calibration and robustness (cifar.trust): trust.json, and its headline figures.
+    trust_path: str | None = None
+    temperature: float | None = None  # Fitted on the validation split; None when nothing was held out.
+    ece: float | None = None  # Test ECE with the temperature (without one: of the plain softmax).
+    mean_corruption_accuracy: float | None = None  # Over the 15 corruptions x 5 severities.
 
 
 class ClassMetrics(BaseModel):

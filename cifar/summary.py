@@ -180,6 +180,9 @@ class PipelineSummary(BaseModel):
             )
         if self.evaluation is not None:
             lines.append(self._test_line(self.evaluation))
+            trust = self._trust_text(self.evaluation)
+            if trust:
+                lines.append(f"  trust      {trust}")
         if self.export is not None:
             lines.append(f"  export     {self.export.export_dir}{self.state('export')}")
         if self.promotion is not None:
@@ -213,6 +216,19 @@ class PipelineSummary(BaseModel):
             f"{''.join(', ' + item for item in extras)}{self.state('evaluate')}"
         )
 
+    @staticmethod
+    def _trust_text(evaluation: EvaluationResult) -> str | None:
+        """Calibration and robustness (cifar.trust), when they were measured."""
+        parts = []
+        if evaluation.ece is not None:
+            how = f"temperature {evaluation.temperature:.2f}" if evaluation.temperature else "no validation split"
+            parts.append(f"ECE {percent(evaluation.ece)} ({how})")
+        if evaluation.mean_corruption_accuracy is not None:
+            parts.append(
+                f"mean accuracy under 15 corruptions x 5 severities {percent(evaluation.mean_corruption_accuracy)}"
+            )
+        return ", ".join(parts) or None
+
     def report_rows(self) -> list[tuple[str, str]]:
         """The report's table (name, value), leaving out what this run has no value for."""
         training, evaluation, promotion = self.training, self.evaluation, self.promotion
@@ -237,6 +253,7 @@ class PipelineSummary(BaseModel):
                     percent(evaluation.test_accuracy_deduplicated),
                 ),
                 (f"New data accuracy ({evaluation.new_data_examples} images)", percent(evaluation.new_data_accuracy)),
+                ("Calibration and robustness", self._trust_text(evaluation)),
             ]
         rows.append(("Export", self.export and self.export.export_dir))
         if promotion is not None:

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import TEST_EXAMPLES
 
+from cifar import calibration, trust
 from cifar.checkpoints import CheckpointEntry, CheckpointIndex, checkpoint_file_names, write_index
 from cifar.config import DataConfig, make_config
 from cifar.data.manifest import load_manifest
@@ -77,7 +78,8 @@ def trained(python_archive, tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 def test_evaluate_writes_consistent_metrics_predictions_and_plots(trained):
-    config = make_config("default", {"train": {"model": "tiny"}, "evaluate": {"checkpoints": "all", "flip_tta": True}})
+    evaluate_settings = {"checkpoints": "all", "flip_tta": True, "calibration": False, "robustness_images": 0}
+    config = make_config("default", {"train": {"model": "tiny"}, "evaluate": evaluate_settings})
     result = evaluate(
         config,
         trained["data_dir"],
@@ -118,6 +120,9 @@ def test_evaluate_writes_consistent_metrics_predictions_and_plots(trained):
     for plot in (result.confusion_matrix_plot, result.misclassified_plot):
         assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(Path(result.metrics_path).parent.glob(".*.tmp"))  # Atomic writes leave no temp files.
+    # Calibration and robustness turned off: nothing measured, nothing written.
+    assert result.trust_path is None and result.temperature is None and result.mean_corruption_accuracy is None
+    assert not (Path(result.metrics_path).parent / trust.TRUST_NAME).exists()
 
 
 @pytest.mark.slow
@@ -126,7 +131,10 @@ def test_evaluate_logs_metrics_at_the_checkpoint_epoch_and_artifacts(trained, tm
     client = mlflow.MlflowClient(tracking_uri=tracking_uri)
     experiment_id = client.create_experiment("cifar10", artifact_location=(tmp_path / "artifacts").as_uri())
     run_id = client.create_run(experiment_id).info.run_id
-    config = make_config("default", {"train": {"model": "tiny"}, "evaluate": {"flip_tta": False}})
+    # Robustness on 40 of the 200 test images: every corruption and severity, at a test's cost.
+    config = make_config(
+        "default", {"train": {"model": "tiny"}, "evaluate": {"flip_tta": False, "robustness_images": 40}}
+    )
 
     result = evaluate(
         config,
@@ -150,7 +158,35 @@ def test_evaluate_logs_metrics_at_the_checkpoint_epoch_and_artifacts(trained, tm
         "evaluation/predictions.parquet",
         "evaluation/confusion_matrix.png",
         "evaluation/misclassified.png",
+        "evaluation/trust.json",
+        "evaluation/reliability.png",
+        "evaluation/corruptions.png",
+        "evaluation/robustness_correct.npz",
     }
+
+    # Calibration: a temperature fitted on the 100 validation images, applied to the test answers.
+    report = trust.load_report(result.trust_path)
+    assert report.temperature_images == 100 and report.temperature == result.temperature > 0
+    table = pq.read_table(result.predictions_path).to_pandas()
+    probabilities = table[[f"prob_{index}" for index in range(10)]].to_numpy()
+    scaled = calibration.softmax(np.log(probabilities), report.temperature)
+    expected_ece = calibration.expected_calibration_error(scaled, table["label"].to_numpy())
+    assert report.calibration_after["ece"] == pytest.approx(expected_ece) == result.ece
+    assert report.calibration_before["ece"] == pytest.approx(
+        calibration.expected_calibration_error(probabilities, table["label"].to_numpy())
+    )
+    assert set(report.selective_accuracy) == {"50", "80", "90", "95"}
+    # Robustness: 15 corruptions x 5 severities on the same 40 images, and each image's answer kept.
+    assert report.robustness_images == 40 and len(report.corruption_accuracy) == 15
+    correct = report.correct()
+    for name, values in report.corruption_accuracy.items():
+        assert correct[name].shape == (5, 40) and values == pytest.approx(correct[name].mean(axis=1).tolist())
+    metrics = run.data.metrics
+    assert metrics["robustness.mean_corruption_accuracy"] == pytest.approx(result.mean_corruption_accuracy, abs=1e-6)
+    assert metrics["calibration.temperature"] == pytest.approx(report.temperature, rel=1e-6)
+    assert {"calibration.ece_before", "selective.accuracy_at_90", "robustness.drop", "robustness.fog"} <= set(metrics)
+    # The corrupted images are made once per workdir, keyed by their content.
+    assert len(list((trained["workdir"] / "data" / trust.CORRUPTION_CACHE).glob("*.npy"))) == 15
 
 
 def test_metric_helpers_on_a_known_confusion():
