@@ -23,6 +23,8 @@ class ModelScore(BaseModel):
     correct: int
     per_class: list[float]  # Accuracy of each class (its recall), by class id.
     new_data_accuracy: float | None = None
+    ece: float | None = None  # Calibration error of the served probabilities on the compared images.
+    mean_corruption_accuracy: float | None = None  # On the corrupted images both models scored.
 
 
 class Comparison(BaseModel):
@@ -42,10 +44,17 @@ class Comparison(BaseModel):
     p_value: float | None = None  # McNemar's exact test, two-sided.
     largest_class_drop: float | None = None
     largest_drop_class: str | None = None
+    corruption_examples: int = 0  # Test images both models scored under the 15 corruptions x 5 severities.
+    corruption_difference: float | None = None  # Challenger minus champion mean corruption accuracy, paired.
+    corruption_interval: tuple[float, float] | None = None  # Its 95 % interval, the images as the units.
+    ece_increase: float | None = None  # Challenger minus champion ECE.
     thresholds: dict[str, float]
     promote: bool = False
-    rule: str = ""  # The rule that decided: min_accuracy, class_drop, significantly_worse, improvement, passed.
+    # The rule that decided: min_accuracy, class_drop, corruption_drop, calibration, significantly_worse,
+    # improvement, passed.
+    rule: str = ""
     reason: str = ""
+    criteria: dict[str, str] = {}  # Robustness and calibration: each criterion's verdict, decisive or not.
 
     def per_class_rows(self) -> list[dict[str, object]]:
         """One row per class: the class, both accuracies, the difference."""
@@ -138,21 +147,97 @@ def compare(
 
 
 def _thresholds(gate: ExportConfig) -> dict[str, float]:
-    return {
+    thresholds = {
         "min_accuracy": gate.min_accuracy,
         "min_improvement": gate.min_improvement,
         "max_class_drop": gate.max_class_drop,
         "significance": gate.significance,
     }
+    for name in ("max_corruption_drop", "max_ece_increase"):  # Absent: reported, not a rule.
+        if getattr(gate, name) is not None:
+            thresholds[name] = getattr(gate, name)
+    return thresholds
+
+
+def add_trust_evidence(
+    comparison: Comparison,
+    eces: tuple[float, float | None],
+    corrupted: tuple[np.ndarray, np.ndarray | None] | None,
+    gate: ExportConfig,
+) -> Comparison:
+    """The comparison with calibration and robustness added, then decided again.
+
+    `eces`: (challenger, champion or None) on the compared images. `corrupted`: per image, the share of its
+    75 corrupted versions (15 corruptions x 5 severities) each model got right, (challenger, champion or
+    None), on the same corrupted bytes; None when robustness was not measured. The paired difference's
+    interval takes the images as the units (an image's versions are not independent of each other)."""
+    challenger_ece, champion_ece = eces
+    comparison = comparison.model_copy(deep=True, update={"thresholds": _thresholds(gate)})
+    comparison.challenger.ece = challenger_ece
+    if comparison.champion is not None and champion_ece is not None:
+        comparison.champion.ece = champion_ece
+        comparison.ece_increase = challenger_ece - champion_ece
+    if corrupted is not None:
+        challenger_shares, champion_shares = corrupted
+        comparison.corruption_examples = len(challenger_shares)
+        comparison.challenger.mean_corruption_accuracy = float(np.mean(challenger_shares))
+        if comparison.champion is not None and champion_shares is not None:
+            comparison.champion.mean_corruption_accuracy = float(np.mean(champion_shares))
+            differences = challenger_shares - champion_shares
+            mean = float(np.mean(differences))
+            spread = float(np.std(differences, ddof=1) / np.sqrt(len(differences))) if len(differences) > 1 else 0.0
+            comparison.corruption_difference = mean
+            comparison.corruption_interval = (mean - 1.96 * spread, mean + 1.96 * spread)
+    return decide(comparison, gate)
+
+
+def trust_criteria(comparison: Comparison, gate: ExportConfig) -> dict[str, str]:
+    """Each robustness and calibration criterion's verdict, in words (passed, refused, or why not judged)."""
+    criteria = {}
+    champion = comparison.champion
+    if comparison.corruption_difference is not None and champion is not None:
+        low, high = comparison.corruption_interval
+        measured = (
+            f"mean accuracy under corruptions {100 * comparison.challenger.mean_corruption_accuracy:.2f} % vs the "
+            f"champion's {100 * champion.mean_corruption_accuracy:.2f} % on the same "
+            f"{comparison.corruption_examples:,} images x 75 corruptions "
+            f"({100 * comparison.corruption_difference:+.2f} points, 95 % interval "
+            f"{100 * low:+.2f} to {100 * high:+.2f})"
+        )
+        limit = gate.max_corruption_drop
+        if limit is None:
+            criteria["corruption_drop"] = f"reported (export.max_corruption_drop is not set): {measured}"
+        else:
+            refused = -comparison.corruption_difference > limit
+            verdict = "refused" if refused else "passed"
+            bound = "more than" if refused else "within"
+            criteria["corruption_drop"] = f"{verdict}: {measured}, {bound} export.max_corruption_drop {100 * limit:.2f}"
+    elif champion is not None:
+        criteria["corruption_drop"] = "not judged: robustness was not measured on the same images for both models"
+    if comparison.ece_increase is not None:
+        measured = (
+            f"ECE {100 * comparison.challenger.ece:.2f} % vs the champion's {100 * champion.ece:.2f} % "
+            f"({100 * comparison.ece_increase:+.2f} points)"
+        )
+        limit = gate.max_ece_increase
+        if limit is None:
+            criteria["calibration"] = f"reported (export.max_ece_increase is not set): {measured}"
+        else:
+            refused = comparison.ece_increase > limit
+            verdict, bound = ("refused", "more than") if refused else ("passed", "within")
+            criteria["calibration"] = f"{verdict}: {measured}, {bound} export.max_ece_increase {100 * limit:.2f}"
+    return criteria
 
 
 def decide(comparison: Comparison, gate: ExportConfig) -> Comparison:
     """Applies the rules in order; the first that refuses decides, else the challenger is promoted.
 
-    min_accuracy (the only rule for a first champion), class_drop (`max_class_drop`), significantly_worse
+    min_accuracy (the only rule for a first champion), class_drop (`max_class_drop`), corruption_drop
+    (`max_corruption_drop`), calibration (`max_ece_increase`), significantly_worse
     (worse with p < `significance`, whatever the tolerance), improvement (the difference must reach
     `min_improvement`, negative: a tolerated loss; a required gain must also be significant).
     """
+    comparison = comparison.model_copy(update={"criteria": trust_criteria(comparison, gate)})
     challenger, champion = comparison.challenger, comparison.champion
     accuracy = f"test accuracy {100 * challenger.accuracy:.2f} %"
     if challenger.accuracy < gate.min_accuracy:
@@ -171,6 +256,9 @@ def decide(comparison: Comparison, gate: ExportConfig) -> Comparison:
         return _decided(comparison, False, "class_drop", f"class {comparison.largest_drop_class} drops "
                         f"{100 * drop:.2f} points, more than export.max_class_drop {100 * gate.max_class_drop:.2f}; "
                         f"{versus}")  # fmt: skip
+    for rule in ("corruption_drop", "calibration"):  # Robustness, then calibration: refused by the first that fails.
+        if comparison.criteria.get(rule, "").startswith("refused"):
+            return _decided(comparison, False, rule, f"{comparison.criteria[rule]}; {versus}")
     significant = comparison.p_value is not None and comparison.p_value < gate.significance
     difference = comparison.difference or 0.0
     if difference < 0 and significant:

@@ -19,9 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from cifar import failpoints, locks
+from cifar import failpoints, locks, trust
+from cifar.calibration import expected_calibration_error
 from cifar.champion import ACCURACY_TAG, CHAMPION_ALIAS, TrainedWith, find_champion
-from cifar.comparison import Comparison, compare
+from cifar.comparison import Comparison, add_trust_evidence, compare
 from cifar.compat import raw_input_signature
 from cifar.config import PipelineConfig
 from cifar.data.drift import Profile, image_features
@@ -159,7 +160,7 @@ def register_and_promote(
                 model_uri = model_info.model_uri
             else:  # Registered by an attempt that died before the gate decided.
                 number, model_uri = int(version.version), version.source
-            result, judgement = _decide(client, tracking_uri, config, key, number, model_uri, data_dir)
+            result, judgement = _decide(client, tracking_uri, config, key, number, model_uri, data_dir, evaluation)
             if evaluation is not None:
                 card = write_model_card(
                     client, config, export_result, data_dir, evaluation, result, mlflow_run_id, trained_with, judgement
@@ -201,10 +202,17 @@ def _version_tags(export_result: ExportResult, trained_with: TrainedWith | None)
 
 
 def _decide(
-    client, tracking_uri: str, config: PipelineConfig, key: str, version: int, model_uri: str, data_dir: str | Path
+    client,
+    tracking_uri: str,
+    config: PipelineConfig,
+    key: str,
+    version: int,
+    model_uri: str,
+    data_dir: str | Path,
+    evaluation: EvaluationResult | None,
 ) -> tuple[PromotionResult, Judgement]:
     """The gate on a registered version: judged against the champion, its monitoring reference and decision recorded."""
-    judgement = judge(client, tracking_uri, config, version, data_dir)
+    judgement = judge(client, tracking_uri, config, version, data_dir, evaluation)
     reference = judgement.reference.model_dump_json()
     client.set_model_version_tag(config.export.model_name, str(version), REFERENCE_TAG, reference)
     return _record(client, config, key, version, model_uri, judgement.comparison), judgement
@@ -309,10 +317,20 @@ class Judgement:
     test_classes: np.ndarray  # The challenger's class ids on the test images.
 
 
-def judge(client, tracking_uri: str, config: PipelineConfig, version: int, data_dir: str | Path) -> Judgement:
+def judge(
+    client,
+    tracking_uri: str,
+    config: PipelineConfig,
+    version: int,
+    data_dir: str | Path,
+    evaluation: EvaluationResult | None = None,
+) -> Judgement:
     """The challenger `version` against the current champion, on the test split and new_data slice of `data_dir`,
     and the challenger's monitoring reference (its training images, its answers on the test split). Each model
-    is loaded once (a load is seconds: fetched from the artifact store, then TensorFlow's)."""
+    is loaded once (a load is seconds: fetched from the artifact store, then TensorFlow's).
+
+    Calibration (ECE of the served probabilities) and robustness (the challenger's `evaluation` measured it;
+    the champion scores the same corrupted images) are weighed too (cifar.comparison.add_trust_evidence)."""
     from cifar.compat import mlflow_tracking_uri
     from cifar.evaluate import load_split, slice_examples
 
@@ -328,9 +346,10 @@ def judge(client, tracking_uri: str, config: PipelineConfig, version: int, data_
         score_champion = registered_scorer(f"models:/{model_name}/{champion.version}") if champion is not None else None
     probabilities = score_challenger(images)
     challenger = (version, probabilities.argmax(axis=1))
-    champion_scores = None
+    champion_scores = champion_probabilities = None
     if score_champion is not None:
-        champion_scores = (champion.version, score_champion(images).argmax(axis=1))
+        champion_probabilities = score_champion(images)
+        champion_scores = (champion.version, champion_probabilities.argmax(axis=1))
     slice_scores = None
     if new_data is not None:
         slice_images, slice_labels = new_data
@@ -339,6 +358,13 @@ def judge(client, tracking_uri: str, config: PipelineConfig, version: int, data_
     comparison = compare(
         model_name, manifest.class_names, labels, challenger, champion_scores, config.export, new_data=slice_scores
     )
+    eces = (
+        expected_calibration_error(probabilities, labels),
+        expected_calibration_error(champion_probabilities, labels) if champion_probabilities is not None else None,
+    )
+    report = trust.load_report(evaluation.trust_path) if evaluation is not None else None
+    corrupted = trust.paired_corruption_shares(report, images, labels, score_champion, data_dir)
+    comparison = add_trust_evidence(comparison, eces, corrupted, config.export)
     reference = monitoring_reference(data_dir, probabilities, config.monitor.confidence_threshold)
     return Judgement(comparison, reference, score_challenger, images, labels, challenger[1])
 
@@ -399,6 +425,8 @@ def _record(client, config: PipelineConfig, key: str, version: int, model_uri: s
     mlflow.log_dict(comparison.model_dump(mode="json"), COMPARISON_ARTIFACT)
     client.set_model_version_tag(model_name, str(version), ACCURACY_TAG, repr(comparison.challenger.accuracy))
     client.set_model_version_tag(model_name, str(version), DECISION_TAG, result.model_dump_json(exclude={"reused"}))
+    for criterion, criterion_verdict in comparison.criteria.items():  # Robustness and calibration, decisive or not.
+        client.set_model_version_tag(model_name, str(version), f"gate.{criterion}", criterion_verdict[:5000])
     verdict = "champion" if promote else ("passed the gate" if waiting else "not promoted")
     description = (
         f"Test accuracy {100 * comparison.challenger.accuracy:.2f} %, {verdict} ({comparison.rule}): "

@@ -151,6 +151,15 @@ def comparison_markdown(comparison: dict[str, Any]) -> str:
             f"{percent(challenger.get('new_data_accuracy'))} | "
             f"{percent(champion.get('new_data_accuracy')) if champion else '-'} |"
         )
+    if challenger.get("ece") is not None:
+        champion_ece = percent(champion.get("ece")) if champion and champion.get("ece") is not None else "-"
+        lines.append(f"| calibration error (ECE, 15 bins) | {percent(challenger['ece'])} | {champion_ece} |")
+    if challenger.get("mean_corruption_accuracy") is not None:
+        theirs = champion.get("mean_corruption_accuracy") if champion else None
+        lines.append(
+            f"| mean accuracy under 15 corruptions x 5 severities ({comparison['corruption_examples']:,} images) | "
+            f"{percent(challenger['mean_corruption_accuracy'])} | {percent(theirs) if theirs is not None else '-'} |"
+        )
     if champion:
         lines += [
             f"| right only for this model | {comparison['challenger_only']} | {comparison['champion_only']} |",
@@ -158,6 +167,8 @@ def comparison_markdown(comparison: dict[str, Any]) -> str:
             f"McNemar's exact test on the {comparison['challenger_only'] + comparison['champion_only']} images where "
             f"they disagree: p = {comparison['p_value']:.4g}. {_largest_drop(comparison)}",
         ]
+    for name, verdict in comparison.get("criteria", {}).items():
+        lines += ["", f"- **{name}**: {verdict}"]
     thresholds = ", ".join(f"{name} {value:g}" for name, value in comparison["thresholds"].items())
     lines += [
         "",

@@ -111,3 +111,51 @@ def test_the_comparison_reads_as_a_person_reads_it():
     assert "Largest class drop: class3, 2" in dropped and "+2" not in dropped.split("Largest class drop")[1][:20]
     better = comparison_markdown(decide(spread[30:], spread).model_dump(mode="json"))
     assert "No class lost accuracy." in better
+
+
+def test_as_accurate_but_less_robust_or_worse_calibrated_is_refused_naming_the_criterion():
+    from cifar.comparison import add_trust_evidence
+
+    spread = list(range(0, 1000, 7))[:100]
+    tie = decide(spread, spread)  # As accurate, image for image: the accuracy rules pass it.
+    assert tie.promote
+    rng = np.random.default_rng(0)
+    champion_shares = rng.uniform(0.5, 0.9, 400)  # Per image: its 75 corrupted versions' share answered right.
+    fragile = np.clip(champion_shares - 0.05, 0, 1)  # Five points worse under corruption, image for image.
+    gate = ExportConfig()  # max_corruption_drop 3 points, max_ece_increase 3 points.
+
+    refused = add_trust_evidence(tie, (0.02, 0.02), (fragile, champion_shares), gate)
+    assert not refused.promote and refused.rule == "corruption_drop"
+    assert refused.corruption_difference == pytest.approx(-0.05, abs=1e-3) and refused.corruption_examples == 400
+    low, high = refused.corruption_interval
+    assert low <= refused.corruption_difference <= high < 0  # Paired: every image is worse by the same 5 points.
+    assert refused.reason.startswith("refused: mean accuracy under corruptions")
+    assert "more than export.max_corruption_drop 3.00" in refused.criteria["corruption_drop"]
+    assert refused.criteria["calibration"].startswith("passed: ECE 2.00 % vs the champion's 2.00 %")
+
+    overconfident = add_trust_evidence(tie, (0.09, 0.02), (champion_shares, champion_shares), gate)
+    assert not overconfident.promote and overconfident.rule == "calibration"
+    assert "ECE 9.00 % vs the champion's 2.00 % (+7.00 points), more than export.max_ece_increase 3.00" in (
+        overconfident.reason
+    )
+    assert overconfident.criteria["corruption_drop"].startswith("passed")
+
+    # Within the limits, or with the limits unset (reported, not rules): promoted, each verdict recorded.
+    slightly = add_trust_evidence(tie, (0.03, 0.02), (champion_shares - 0.01, champion_shares), gate)
+    assert slightly.promote and slightly.rule == "passed"
+    assert set(slightly.criteria) == {"corruption_drop", "calibration"}
+    unset = ExportConfig(max_corruption_drop=None, max_ece_increase=None)
+    reported = add_trust_evidence(tie, (0.09, 0.02), (fragile, champion_shares), unset)
+    assert reported.promote and reported.criteria["corruption_drop"].startswith("reported (export.max_corruption_drop")
+    assert "max_corruption_drop" not in reported.thresholds
+    # Robustness the challenger's evaluation did not measure cannot be weighed: said, not guessed.
+    unmeasured = add_trust_evidence(tie, (0.02, 0.02), None, gate)
+    assert unmeasured.promote and unmeasured.criteria["corruption_drop"].startswith("not judged")
+
+    from tasks.artifacts import comparison_markdown
+
+    shown = comparison_markdown(refused.model_dump(mode="json"))
+    assert "# Challenger v2: not promoted (corruption_drop)" in shown
+    assert "| mean accuracy under 15 corruptions x 5 severities (400 images) |" in shown
+    assert "| calibration error (ECE, 15 bins) | 2.00 % | 2.00 % |" in shown
+    assert "- **corruption_drop**: refused:" in shown and "- **calibration**: passed:" in shown

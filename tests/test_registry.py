@@ -40,7 +40,7 @@ def exported(python_archive, tmp_path_factory) -> dict:
         "default",
         {
             "train": {"model": "tiny"},
-            "evaluate": {"flip_tta": False},
+            "evaluate": {"flip_tta": False, "robustness_images": 40},  # 40 x 75 corrupted images: a test's cost.
             "tracking": {"tracking_uri": f"sqlite:///{workdir / 'mlflow.db'}"},
         },
     )
@@ -134,7 +134,7 @@ def test_the_gate_judges_challenger_and_champion_on_the_same_images(exported, mo
 
     # The same model again: identical answers, a tie, promoted (a challenger need not beat the champion).
     same_run = new_run(tracking_uri, exported["workdir"])
-    same = register(exported, 2, run_id=same_run)
+    same = register(exported, 2, run_id=same_run, card=True)
     comparison = same.comparison
     assert same.champion and same.rule == "passed" and champion_version(client) == 2
     assert comparison["examples"] == len(labels) == 200
@@ -143,6 +143,17 @@ def test_the_gate_judges_challenger_and_champion_on_the_same_images(exported, mo
     assert (comparison["challenger_only"], comparison["champion_only"], comparison["p_value"]) == (0, 0, 1.0)
     artifact = client.download_artifacts(same_run, COMPARISON_ARTIFACT, str(exported["workdir"] / "downloaded"))
     assert json.loads(open(artifact).read()) == comparison
+    # Calibration and robustness weighed too: the champion scored the challenger's 40 x 75 corrupted images.
+    assert comparison["corruption_examples"] == 40 and abs(comparison["corruption_difference"]) <= 0.01
+    assert (
+        comparison["champion"]["ece"] == pytest.approx(comparison["challenger"]["ece"])
+        and comparison["ece_increase"] == 0
+    )
+    assert comparison["criteria"]["corruption_drop"].startswith("passed: mean accuracy under corruptions")
+    assert comparison["criteria"]["calibration"].startswith("passed: ECE")
+    tags = client.get_model_version("cifar10", "2").tags
+    assert tags["gate.corruption_drop"] == comparison["criteria"]["corruption_drop"]
+    assert tags["gate.calibration"] == comparison["criteria"]["calibration"]
 
     # A model that never names one class: worse on that class beyond the limit, refused for that reason.
     worse = register(exported, 3, worse=True)
