@@ -46,7 +46,7 @@ SERVING_SIGNATURE = "serving_default"
 BYTES_SIGNATURE = "serving_bytes"
 INPUT_NAME = "images"
 BYTES_INPUT_NAME = "image_bytes"
-OUTPUT_NAMES = ("class_ids", "class_names", "probabilities")
+OUTPUT_NAMES = ("class_ids", "class_names", "probabilities", "logits")
 
 
 class ExportVerificationError(RuntimeError):
@@ -56,22 +56,25 @@ class ExportVerificationError(RuntimeError):
 class ServingModule(tf.Module):
     """Wraps a Keras classifier with serving signatures that take raw uint8 images or encoded bytes."""
 
-    def __init__(self, model, class_names: Sequence[str]):
+    def __init__(self, model, class_names: Sequence[str], temperature: float = 1.0):
         super().__init__(name="cifar_serving")
         self.model = model
         self.input_size = model_input_size(model)
         self.class_names = tf.constant(list(class_names), dtype=tf.string)
+        # The evaluation's temperature (fitted on the validation split): served probabilities are calibrated.
+        self.temperature = tf.constant(float(temperature), dtype=tf.float32)
 
     def classify(self, images: tf.Tensor) -> dict[str, tf.Tensor]:
-        """Class ids, names and probabilities of uint8 images (B, 32, 32, 3)."""
+        """Class ids, names, calibrated probabilities and the raw logits of uint8 images (B, 32, 32, 3)."""
         pixels = center_crop(tf.cast(images, tf.float32), self.input_size)  # (B, S, S, 3)
         logits = tf.cast(self.model(pixels, training=False), tf.float32)  # (B, 10)
-        # The class is the argmax of the logits, exactly as evaluation decides it.
+        # The class is the argmax of the logits, exactly as evaluation decides it (a temperature changes no argmax).
         class_ids = tf.argmax(logits, axis=1, output_type=tf.int64)
         return {
             "class_ids": class_ids,
             "class_names": tf.gather(self.class_names, class_ids),
-            "probabilities": tf.nn.softmax(logits, axis=1),
+            "probabilities": tf.nn.softmax(logits / self.temperature, axis=1),
+            "logits": logits,
         }
 
     @tf.function(input_signature=[tf.TensorSpec([None, *IMAGE_SHAPE], tf.uint8, name=INPUT_NAME)])
@@ -183,7 +186,8 @@ def _export(
         raise ValueError(f"no checkpoint of epoch {evaluation.epoch} in {checkpoint_dir}") from error
     manifest = load_manifest(data_dir)
     images, labels = load_split(data_dir, "test")
-    module = ServingModule(load_eval_model(checkpoint_dir, entry), manifest.class_names)
+    temperature = evaluation.temperature or 1.0  # None: nothing was held out to fit one on.
+    module = ServingModule(load_eval_model(checkpoint_dir, entry), manifest.class_names, temperature)
     signatures = {SERVING_SIGNATURE: module.serve, BYTES_SIGNATURE: module.serve_bytes}
     temp_dir = Path(tempfile.mkdtemp(prefix=EXPORT_PARTIAL_PREFIX, suffix=EXPORT_PARTIAL_SUFFIX, dir=root))
     try:
@@ -200,6 +204,7 @@ def _export(
             signatures=sorted(signatures),
             num_examples=len(labels),
             correct=correct,
+            temperature=temperature,
         )
         metadata = {
             "key": key,

@@ -157,6 +157,7 @@ class ExportResult(StageResult):
     signatures: list[str]
     num_examples: int
     correct: int
+    temperature: float = 1.0  # Served probabilities are softmax(logits / temperature); the logits are served too.
 
 
 class PromotionResult(StageResult):

@@ -19,7 +19,7 @@ SERVING_SIGNATURE = "serving_default"  # = cifar.export.SERVING_SIGNATURE (that 
 
 
 class SavedModelClassifier(PythonModel):
-    """Class ids, class names and probabilities of uint8 images (N, 32, 32, 3), from a SavedModel."""
+    """Class ids, names, calibrated probabilities and logits of uint8 images (N, 32, 32, 3), from a SavedModel."""
 
     def load_context(self, context: PythonModelContext) -> None:
         self.load(context.artifacts[SAVED_MODEL_ARTIFACT])
@@ -39,11 +39,14 @@ class SavedModelClassifier(PythonModel):
 
         images = validate_images(model_input)  # The serving contract: refuses (HTTP 400) rather than casts.
         outputs = self._serve(**{INPUT_NAME: tf.constant(images)})
-        return {
+        answers = {
             "class_ids": outputs["class_ids"].numpy().astype(np.int64),
             "class_names": np.array([name.decode("utf-8") for name in outputs["class_names"].numpy()]),
             "probabilities": outputs["probabilities"].numpy().astype(np.float32),
         }
+        if "logits" in outputs:  # Exports since the calibration (issue 48): the raw logits beside the probabilities.
+            answers["logits"] = outputs["logits"].numpy().astype(np.float32)
+        return answers
 
 
 set_model(SavedModelClassifier())

@@ -16,11 +16,11 @@ from PIL import Image
 from test_evaluate import prepare_fixture_data, write_checkpoints
 
 import cifar.export as export_module
-from cifar import compat
+from cifar import calibration, compat
 from cifar.checkpoints import load_eval_model, load_index
 from cifar.config import make_config
 from cifar.data.synthetic import CLASS_NAMES
-from cifar.evaluate import evaluate, load_split, predict_logits, softmax
+from cifar.evaluate import evaluate, load_split, predict_logits
 from cifar.export import ExportVerificationError, export_model, serving_outputs
 
 
@@ -37,7 +37,8 @@ def setup(python_archive, tmp_path_factory) -> dict:
     for model_name in ("tiny", "tutorial"):
         checkpoint_dir = workdir / "runs" / model_name / "checkpoints"
         write_checkpoints(data_dir, checkpoint_dir, model_name=model_name, epochs=1)
-        config = make_config("default", {"train": {"model": model_name}, "evaluate": {"flip_tta": False}})
+        settings = {"flip_tta": False, "robustness_images": 0}  # Calibrated (a temperature), robustness not needed.
+        config = make_config("default", {"train": {"model": model_name}, "evaluate": settings})
         result = evaluate(config, data_dir, checkpoint_dir, workdir, mlflow_run_id=None, tracking_uri=None)
         found[model_name] = {"config": config, "checkpoint_dir": checkpoint_dir, "evaluation": result}
     return found
@@ -73,13 +74,19 @@ def test_saved_model_reproduces_the_in_memory_model(setup, model_name):
     model = load_eval_model(checkpoint_dir, load_index(checkpoint_dir).entries[0])
     size = model.input_shape[1]
     offset = (32 - size) // 2
-    expected = softmax(predict_logits(model, images[:, offset : offset + size, offset : offset + size], 500))
+    logits = predict_logits(model, images[:, offset : offset + size, offset : offset + size], 500)
+    # The served probabilities are calibrated: softmax(logits / T), T fitted on the validation split; the
+    # raw logits are served beside them.
+    temperature = setup[model_name]["evaluation"].temperature
+    assert temperature is not None and temperature != 1.0 and result.temperature == temperature
+    expected = calibration.softmax(logits, temperature)
 
     outputs = serving_outputs(result.export_dir, images, batch_size=64)
     assert outputs["probabilities"].dtype == np.float32 and outputs["probabilities"].shape == (len(labels), 10)
     assert outputs["class_ids"].dtype == np.int64
     np.testing.assert_array_equal(outputs["class_ids"], expected.argmax(axis=1))
     np.testing.assert_allclose(outputs["probabilities"], expected, atol=1e-5)
+    np.testing.assert_allclose(outputs["logits"], logits, atol=1e-4)
     names = [name.decode() for name in outputs["class_names"]]
     assert names == [CLASS_NAMES[index] for index in outputs["class_ids"]]
 
