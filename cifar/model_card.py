@@ -20,10 +20,12 @@ from pydantic import BaseModel, ConfigDict
 from cifar.champion import TrainedWith
 from cifar.comparison import Comparison
 from cifar.config import PipelineConfig
+from cifar.corruptions import CORRUPTIONS
 from cifar.data.manifest import Manifest
 from cifar.results import EvaluationMetrics
 from cifar.serving_contract import CONTRACT
 from cifar.summary import percent
+from cifar.trust import TrustReport
 
 PROVENANCE_FILE = "cifar-10-provenance.npz"  # Beside the archive: boolean masks train_exact, test_exact.
 CARD_DIR = "model_cards"
@@ -69,6 +71,7 @@ class CardInputs:
     robustness_examples: int  # The first N test images: the table's images.
     robustness_clean_accuracy: float  # Their accuracy unperturbed: what each perturbation changes.
     provenance: Provenance | None  # Counts and accuracies by provenance, when known.
+    trust: TrustReport | None = None  # Calibration and CIFAR-10-C robustness, when the evaluation measured them.
 
 
 def perturbed(images: np.ndarray, name: str, seed: int = 0) -> np.ndarray:
@@ -269,6 +272,7 @@ def card_markdown(card: CardInputs) -> str:
     for name, accuracy in card.robustness.items():
         change = 100 * (accuracy - card.robustness_clean_accuracy)
         lines.append(f"| {PERTURBATIONS[name]} | {_percent(accuracy)} | {change:+.2f} points |")
+    lines += trust_sections(card.trust)
     lines += ["", "## Against the champion of the day", "", comparison.reason, ""]
     champion = comparison.champion
     if champion:
@@ -281,7 +285,56 @@ def card_markdown(card: CardInputs) -> str:
             f"McNemar's exact test: p = {comparison.p_value:.4g}; largest class drop "
             f"{comparison.largest_drop_class} {100 * comparison.largest_class_drop:+.2f} points.",
         ]
+    for name, verdict in comparison.criteria.items():
+        lines += ["", f"- {name}: {verdict}"]
     return "\n".join(lines) + "\n"
+
+
+def trust_sections(trust: TrustReport | None) -> list[str]:
+    """Calibration (before and after the temperature) and the CIFAR-10-C table with its heat map, when measured."""
+    import base64
+
+    if trust is None:
+        return []
+    lines = []
+    if trust.calibration_before is not None:
+        after = trust.calibration_after
+        how = (
+            f"a temperature of {trust.temperature:.3f} fitted on the {trust.temperature_images:,} validation images "
+            "(the served probabilities are softmax(logits / T))"
+            if trust.temperature is not None
+            else "no temperature: nothing was held out to fit one on, so the served probabilities are the plain softmax"
+        )
+        lines += ["", "## Calibration", "", f"On the test split; {how}.", "", "| | softmax | with the temperature |"]
+        lines.append("|---|---:|---:|")
+        for name, label in (("ece", "ECE (15 bins)"), ("nll", "NLL (nats)"), ("brier", "Brier score")):
+            before = trust.calibration_before[name]
+            shown = [_percent(before) if name == "ece" else f"{before:.4f}"]
+            value = after[name] if after else None
+            shown.append("-" if value is None else (_percent(value) if name == "ece" else f"{value:.4f}"))
+            lines.append(f"| {label} | {shown[0]} | {shown[1]} |")
+        coverages = ", ".join(f"{key} %: {_percent(value)}" for key, value in (trust.selective_accuracy or {}).items())
+        lines += ["", f"Accuracy when only the most confident images are answered (coverage): {coverages}."]
+    if trust.corruption_accuracy:
+        lines += [
+            "",
+            "## Common corruptions (CIFAR-10-C)",
+            "",
+            f"Accuracy on a fixed {trust.robustness_images:,} test images under the 15 corruptions of Hendrycks & "
+            f"Dietterich (ICLR 2019) at severities 1-5 (cifar/corruptions.py; frost uses our own texture): mean "
+            f"{_percent(trust.mean_corruption_accuracy)}, clean {_percent(trust.clean_accuracy)} on the same images.",
+            "",
+            "| corruption | 1 | 2 | 3 | 4 | 5 | mean |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for name in [name for name in CORRUPTIONS if name in trust.corruption_accuracy]:  # The benchmark's order.
+            values = trust.corruption_accuracy[name]
+            cells = " | ".join(f"{100 * value:.1f}" for value in values)
+            lines.append(f"| {name.replace('_', ' ')} | {cells} | {100 * float(np.mean(values)):.1f} |")
+        if trust.corruptions_plot and Path(trust.corruptions_plot).is_file():
+            encoded = base64.b64encode(Path(trust.corruptions_plot).read_bytes()).decode("ascii")
+            lines += ["", f"![Accuracy under each corruption and severity](data:image/png;base64,{encoded})"]
+    return lines
 
 
 def card_html(markdown_text: str, title: str) -> str:

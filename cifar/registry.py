@@ -267,6 +267,7 @@ def write_model_card(
         robustness_examples=len(labels[:robust]),
         robustness_clean_accuracy=float(np.mean(predictions[:robust] == labels[:robust])),
         provenance=card_provenance(manifest, predictions, labels),
+        trust=trust.load_report(evaluation.trust_path),
     )
     markdown_text = card_markdown(inputs)
     directory = Path(export_result.export_dir).resolve().parents[2] / CARD_DIR / model_name / f"v{version}"

@@ -259,6 +259,12 @@ def test_every_version_gets_a_model_card_with_every_section(exported):
     for perturbation in PERTURBATIONS.values():
         assert f"| {perturbation} |" in card
     assert result.comparison["reason"] in card and "McNemar's exact test: p =" in card
+    # Calibration and the CIFAR-10-C table with its heat map, from the evaluation (40 images in this fixture).
+    assert "## Calibration" in card and "| ECE (15 bins) |" in card and "fitted on the 100 validation images" in card
+    assert "## Common corruptions (CIFAR-10-C)" in card and "Accuracy on a fixed 40 test images" in card
+    rows = [line for line in card.splitlines() if line.startswith("| ") and line.count("|") == 8]
+    assert [row.split(" | ")[0][2:] for row in rows[1:16]][:3] == ["gaussian noise", "shot noise", "impulse noise"]
+    assert "](data:image/png;base64," in card
     html = Path(result.model_card).with_suffix(".html").read_text()
     assert html.startswith("<!doctype html>") and "<table>" in html and "Robustness</h2>" in html
     version = client.get_model_version("cifar10", str(result.registered_model_version))
