@@ -332,6 +332,7 @@ def evaluate(
         trust_path=str(output_dir / trust.TRUST_NAME) if measured else None,
         temperature=measured.temperature if measured else None,
         ece=measured.ece if measured else None,
+        ece_before=measured.calibration_before["ece"] if measured and measured.calibration_before else None,
         mean_corruption_accuracy=measured.mean_corruption_accuracy if measured else None,
     )
     failpoints.reached("evaluate.scored")

@@ -104,6 +104,7 @@ class EvaluationResult(StageResult):
     trust_path: str | None = None
     temperature: float | None = None  # Fitted on the validation split; None when nothing was held out.
     ece: float | None = None  # Test ECE with the temperature (without one: of the plain softmax).
+    ece_before: float | None = None  # Test ECE of the plain softmax.
     mean_corruption_accuracy: float | None = None  # Over the 15 corruptions x 5 severities.
 
 

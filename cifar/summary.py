@@ -221,7 +221,10 @@ class PipelineSummary(BaseModel):
         """Calibration and robustness (cifar.trust), when they were measured."""
         parts = []
         if evaluation.ece is not None:
-            how = f"temperature {evaluation.temperature:.2f}" if evaluation.temperature else "no validation split"
+            if evaluation.temperature:
+                how = f"with temperature {evaluation.temperature:.2f}, {percent(evaluation.ece_before)} without"
+            else:
+                how = "no validation split to fit a temperature on"
             parts.append(f"ECE {percent(evaluation.ece)} ({how})")
         if evaluation.mean_corruption_accuracy is not None:
             parts.append(
