@@ -22,9 +22,8 @@ import common
 import numpy as np
 
 from cifar import calibration, corruptions, plots, robustness
-from cifar.checkpoints import load_eval_model, load_index, select_for_evaluation
-from cifar.evaluate import load_split, logits_function, model_input_size
-from cifar.input_pipeline import center_crop
+from cifar.checkpoints import load_index, select_for_evaluation
+from cifar.evaluate import checkpoint_logits, load_split
 from cifar.io import atomic_write_bytes, atomic_write_json, read_json
 
 BATCH = 1000
@@ -57,12 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint_dir = run_dir / "checkpoints"
     entry = select_for_evaluation(load_index(checkpoint_dir), "best")[0]
-    model = load_eval_model(checkpoint_dir, entry)
-    size = model_input_size(model)
-    forward = logits_function(model, BATCH)
-
-    def logits(images: np.ndarray) -> np.ndarray:
-        return forward(center_crop(images, size))
+    logits = checkpoint_logits(checkpoint_dir, entry, BATCH)  # As the evaluate stage scores it.
 
     started = time.perf_counter()
     validation_images, validation_labels = load_split(data_dir, "validation")

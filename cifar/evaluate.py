@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -95,6 +96,16 @@ def logits_function(model, batch_size: int, *, flip: bool = False) -> Callable[[
         return np.concatenate(outputs) if outputs else np.zeros((0, NUM_CLASSES), np.float32)
 
     return logits
+
+
+def checkpoint_logits(checkpoint_dir: str | Path, entry: CheckpointEntry, batch_size: int) -> Callable:
+    """uint8 images (N, 32, 32, 3) -> logits of a checkpoint's evaluation weights, cropped as the export crops."""
+    from cifar.input_pipeline import center_crop
+
+    model = load_eval_model(checkpoint_dir, entry)
+    size = model_input_size(model)
+    forward = logits_function(model, batch_size)
+    return lambda images: forward(center_crop(images, size))
 
 
 def predict_logits(model, images: np.ndarray, batch_size: int, *, flip: bool = False) -> np.ndarray:
@@ -320,7 +331,8 @@ def evaluate(
     validation = load_split(data_dir, "validation") if has_validation else (images[:0], labels[:0])
     test = (images, labels, best_outcome["probabilities"])
     cache = trust.corruption_cache(data_dir)
-    measured = trust.measure(config.evaluate, checkpoint_dir, chosen, test, validation, output_dir, cache)
+    chosen_logits = functools.partial(checkpoint_logits, checkpoint_dir, chosen, config.evaluate.batch_size)
+    measured = trust.measure(config.evaluate, chosen_logits, test, validation, output_dir, cache)
     if mlflow_run_id:
         tracking_uri = tracking_uri or resolve_tracking_uri(config.tracking, workdir)
         log_to_mlflow(tracking_uri, mlflow_run_id, chosen.epoch, metrics, per_checkpoint, output_dir, measured)

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from cifar import calibration, plots, robustness
-from cifar.checkpoints import CheckpointEntry, load_eval_model
 from cifar.config import EvaluateConfig
 from cifar.io import atomic_write_bytes, atomic_write_json, read_json
 
@@ -97,28 +97,20 @@ class TrustReport(BaseModel):
 
 def measure(
     settings: EvaluateConfig,
-    checkpoint_dir: Path,
-    entry: CheckpointEntry,
+    load_logits: Callable[[], robustness.Logits],
     test: tuple[np.ndarray, np.ndarray, np.ndarray],
     validation: tuple[np.ndarray, np.ndarray],
     output_dir: Path,
     cache_dir: Path,
 ) -> TrustReport | None:
-    """Measures the checkpoint; `test` is (images, labels, the probabilities evaluation already computed).
+    """Measures a checkpoint: `load_logits()` loads it as images -> logits (called once, only when something is
+    measured); `test` is (images, labels, the probabilities evaluation already computed).
 
     None when both measures are turned off."""
-    from cifar.evaluate import logits_function, model_input_size
-    from cifar.input_pipeline import center_crop
-
     if not settings.calibration and settings.robustness_images == 0:
         return None
     test_images, test_labels, test_probabilities = test
-    model = load_eval_model(checkpoint_dir, entry)
-    size = model_input_size(model)
-    forward = logits_function(model, settings.batch_size)
-
-    def logits(images: np.ndarray) -> np.ndarray:
-        return forward(center_crop(images, size))
+    logits = load_logits()
 
     seconds: dict[str, float] = {}
     fields: dict = {"temperature": None, "temperature_images": 0, "calibration_before": None}
