@@ -18,8 +18,7 @@ Teams' Slack-compatible hooks read it); the URL is kept among the block's secret
 parameter or tag. Without either, a block named `cifar-notify` that you made yourself (Prefect's Slack
 Webhook, Email, Microsoft Teams, ... in the UI's Blocks page) is used; with neither, nothing is created.
 Exactly once: Prefect counts an event once by its id, and our events' ids are derived from what they
-announce (a retried task sends the same event again); a flow run reaches Failed once, and its notice fires at
-most once per flow run in FAILED_NOTICE_WINDOW_SECONDS.
+announce (a retried task sends the same event again); a flow run reaches Failed once.
 
 With --crashed-after SECONDS (workers whose flow runs send heartbeats: PREFECT_FLOWS_HEARTBEAT_FREQUENCY),
 "cifar: crash flow runs whose heartbeats stopped": a flow run whose process died with its container
@@ -39,10 +38,6 @@ BLOCK_NAME = "cifar-notify"
 URL_ENV, URL_FILE_ENV = "CIFAR_NOTIFY_WEBHOOK_URL", "CIFAR_NOTIFY_WEBHOOK_URL_FILE"
 PREFIX = "cifar: notify "
 
-# A flow run ends Failed or Crashed once, yet Prefect's triggers once fired twice, 0.34 s apart, on one Failed
-# event (one row in the server's events table; CI of 2026-11-28): a reactive trigger with a window fires at most
-# once per flow run within it (Prefect's own `within`), so that notice is sent once.
-FAILED_NOTICE_WINDOW_SECONDS = 600
 # name -> (events expected, resource match, related match, subject, body). Bodies are Prefect's Jinja templates.
 NOTICES: dict[str, tuple[list[str], dict, dict, str, str]] = {
     "approval waiting": (
@@ -154,7 +149,7 @@ def automations(block_id) -> list:
             for_each={"prefect.resource.id"},
             posture=Posture.Reactive,
             threshold=1,
-            within=FAILED_NOTICE_WINDOW_SECONDS if name == "run failed" else 0,
+            within=0,
         )
         action = SendNotification(block_document_id=block_id, subject=subject, body=body)
         made.append(AutomationCore(name=PREFIX + name, description=f"Notifies {BLOCK_NAME}: {name}.",
