@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from cifar import failpoints, plots, trust
+from cifar import calibration, failpoints, plots, trust
+from cifar.calibration import softmax
 from cifar.checkpoints import CheckpointEntry, index_digest, load_eval_model, load_index, select_for_evaluation
 from cifar.config import EvaluateConfig, PipelineConfig
 from cifar.data.manifest import IMAGE_SHAPE, NEW_DATA_SLICE, NUM_CLASSES, Manifest, load_manifest
@@ -143,19 +144,9 @@ def tta_logits(
     return 0.5 * unshifted + 0.5 * shifted
 
 
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise softmax, computed in float64 for stability."""
-    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
-    exponentials = np.exp(shifted)
-    return exponentials / exponentials.sum(axis=1, keepdims=True)
-
-
 def cross_entropy(probabilities: np.ndarray, labels: np.ndarray) -> float:
-    """Mean negative log-likelihood of the true labels."""
-    if len(labels) == 0:
-        return float("nan")
-    picked = probabilities[np.arange(len(labels)), labels]
-    return float(-np.mean(np.log(np.maximum(picked, np.finfo(np.float64).tiny))))
+    """Mean negative log-likelihood of the true labels (NaN without images)."""
+    return calibration.negative_log_likelihood(probabilities, labels) if len(labels) else float("nan")
 
 
 def confusion_matrix(labels: np.ndarray, predictions: np.ndarray, num_classes: int = NUM_CLASSES) -> np.ndarray:

@@ -20,7 +20,6 @@ from pydantic import BaseModel, ConfigDict
 from cifar.champion import TrainedWith
 from cifar.comparison import Comparison
 from cifar.config import PipelineConfig
-from cifar.corruptions import CORRUPTIONS
 from cifar.data.manifest import Manifest
 from cifar.results import EvaluationMetrics
 from cifar.serving_contract import CONTRACT
@@ -327,8 +326,7 @@ def trust_sections(trust: TrustReport | None) -> list[str]:
             "| corruption | 1 | 2 | 3 | 4 | 5 | mean |",
             "|---|---:|---:|---:|---:|---:|---:|",
         ]
-        for name in [name for name in CORRUPTIONS if name in trust.corruption_accuracy]:  # The benchmark's order.
-            values = trust.corruption_accuracy[name]
+        for name, values in trust.corruption_accuracy.items():
             cells = " | ".join(f"{100 * value:.1f}" for value in values)
             lines.append(f"| {name.replace('_', ' ')} | {cells} | {100 * float(np.mean(values)):.1f} |")
         if trust.corruptions_plot and Path(trust.corruptions_plot).is_file():

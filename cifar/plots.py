@@ -234,10 +234,7 @@ def reliability_png(before, after, temperature: float | None) -> bytes:
 
 def corruption_heatmap_png(accuracy: Mapping[str, Sequence[float]], clean_accuracy: float) -> bytes:
     """Accuracy (%) per corruption (rows) and severity 1-5 (columns), with each row's mean and the clean figure."""
-    from cifar.corruptions import CORRUPTIONS
-
-    # The benchmark's order (noise, blur, weather, digital), whatever order a JSON file kept them in.
-    names = [name for name in CORRUPTIONS if name in accuracy] + [name for name in accuracy if name not in CORRUPTIONS]
+    names = list(accuracy)  # Top to bottom in the mapping's order (cifar.trust keeps the benchmark's).
     values = 100 * np.asarray([accuracy[name] for name in names], np.float64)
     figure = Figure(figsize=(6.5, 0.38 * len(names) + 1.4))
     axes = figure.add_subplot(1, 1, 1)

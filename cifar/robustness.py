@@ -123,12 +123,18 @@ def measure(
     names: tuple[str, ...] = corruptions.CORRUPTIONS,
     cache_dir: Path | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    clean_predictions: np.ndarray | None = None,
 ) -> RobustnessReport:
-    """Scores `images` (the subset) clean and under every corruption in `names` at severities 1-5."""
+    """Scores `images` (the subset) clean and under every corruption in `names` at severities 1-5.
+
+    `clean_predictions`: the subset's predicted classes when the caller has them (the evaluation scored the
+    test split already): then the clean images are not scored again."""
     labels = np.asarray(labels, np.int64)
     if len(images) != len(labels) or len(labels) == 0:
         raise ValueError(f"expected as many labels as images (at least one), got {len(images)} and {len(labels)}")
-    clean_correct = np.argmax(logits(images), axis=1) == labels
+    if clean_predictions is None:
+        clean_predictions = np.argmax(logits(images), axis=1)
+    clean_correct = clean_predictions == labels
     accuracy: dict[str, list[float]] = {}
     correct: dict[str, np.ndarray] = {}
     for done, name in enumerate(names):

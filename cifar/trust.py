@@ -15,16 +15,18 @@ under a key of their content, so every run of a workdir makes them once.
 
 from __future__ import annotations
 
+import functools
 import io
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from cifar import calibration, plots, robustness
 from cifar.config import EvaluateConfig
+from cifar.corruptions import CORRUPTIONS
 from cifar.io import atomic_write_bytes, atomic_write_json, read_json
 
 TRUST_NAME = "trust.json"
@@ -54,6 +56,14 @@ class TrustReport(BaseModel):
     corruptions_plot: str | None
     correct_path: str | None
     seconds: dict[str, float]  # calibration, robustness: what each cost.
+
+    @field_validator("corruption_accuracy")
+    @classmethod
+    def _in_the_benchmarks_order(cls, accuracy: dict[str, list[float]] | None) -> dict[str, list[float]] | None:
+        """Noise, blur, weather, digital, as the benchmark lists them (trust.json stores its keys sorted)."""
+        if accuracy is None:
+            return None
+        return {name: accuracy[name] for name in CORRUPTIONS if name in accuracy} | accuracy
 
     @property
     def ece(self) -> float | None:
@@ -110,7 +120,10 @@ def measure(
     if not settings.calibration and settings.robustness_images == 0:
         return None
     test_images, test_labels, test_probabilities = test
-    logits = load_logits()
+    loaded = functools.cache(load_logits)  # The checkpoint is loaded once, and only if something is scored.
+
+    def logits(images: np.ndarray) -> np.ndarray:
+        return loaded()(images)
 
     seconds: dict[str, float] = {}
     fields: dict = {"temperature": None, "temperature_images": 0, "calibration_before": None}
@@ -145,7 +158,8 @@ def measure(
         started = time.perf_counter()
         chosen = robustness.subset_indices(len(test_labels), settings.robustness_images)
         images = test_images[chosen]
-        measured = robustness.measure(logits, images, test_labels[chosen], cache_dir=cache_dir)
+        clean = test_probabilities[chosen].argmax(axis=1)  # The evaluation's answers: not scored again.
+        measured = robustness.measure(logits, images, test_labels[chosen], cache_dir=cache_dir, clean_predictions=clean)
         buffer = io.BytesIO()
         np.savez_compressed(buffer, **measured.correct)
         heat_map = plots.corruption_heatmap_png(measured.accuracy, measured.clean_accuracy)
@@ -188,8 +202,6 @@ def paired_corruption_shares(
     The challenger's answers are its evaluation's (the export reproduces them); the champion (`champion`:
     images -> probabilities or logits) scores the same corrupted bytes, read from the workdir's cache.
     None when the challenger's evaluation measured no robustness, or on other test images than these."""
-    from cifar import corruptions
-
     if report is None or not report.correct_path or not report.robustness_images:
         return None
     chosen = robustness.subset_indices(len(labels), report.robustness_images)
@@ -197,11 +209,11 @@ def paired_corruption_shares(
     if len(chosen) != report.robustness_images or robustness.cache_key(subset, 0) != report.robustness_key:
         return None  # Measured on another test split.
     stored = report.correct()
-    challenger = np.mean(np.concatenate([stored[name] for name in corruptions.CORRUPTIONS]), axis=0)
+    challenger = np.mean(np.concatenate([stored[name] for name in CORRUPTIONS]), axis=0)
     if champion is None:
         return challenger, None
     hits = []
-    for name in corruptions.CORRUPTIONS:
+    for name in CORRUPTIONS:
         variants = robustness.corrupted_images(subset, name, 0, corruption_cache(data_dir))
         answers = np.argmax(champion(variants.reshape(-1, *subset.shape[1:])), axis=1)
         hits.append((answers == np.tile(subset_labels, len(variants))).reshape(len(variants), -1))
