@@ -10,14 +10,9 @@ from harness.compose import generate_secrets, write_env_file
 from harness.ports import free_port
 from scripts.stack_check.access import check_bare_ports, check_identities, check_no_secrets, check_sign_in
 from scripts.stack_check.approval_drill import check_approval
-from scripts.stack_check.cluster_drills import (
-    check_lost_worker,
-    check_lost_worker_resume,
-    check_stopped_worker,
-    check_two_workers,
-)
+from scripts.stack_check.cluster_drills import check_lost_worker, check_lost_worker_resume
 from scripts.stack_check.context import DRILL_SERVE_SETTINGS, DRILL_TIMINGS, Context
-from scripts.stack_check.drills import check_kill, check_resume, check_search
+from scripts.stack_check.drills import check_kill, check_resume_after_stop, check_resume_then_stop, check_search
 from scripts.stack_check.engine import Engine, install_tools
 from scripts.stack_check.images import build_images, choose_bases
 from scripts.stack_check.outages import check_outages
@@ -101,12 +96,11 @@ CHECKS = (
     Step("backup, every volume deleted, restore: all back", check_restore),
     Step("PostgreSQL, Prefect, MLflow restarted mid-training", check_outages),
     Step("worker killed mid-training: CRASHED", check_kill),
-    Step("re-run resumes from the last checkpoint", check_resume),
+    Step("re-run resumes; its worker stopped (SIGTERM): saved", check_resume_then_stop),
+    Step("re-run after the stop resumes from that step", check_resume_after_stop),
     Step("2 workers: 4-trial search, parallel 2", check_search),
-    Step("one training on 2 worker containers", check_two_workers),
     Step("2-worker job: a worker container killed", check_lost_worker),
-    Step("2-worker job run again: resumes", check_lost_worker_resume),
-    Step("training worker stopped (SIGTERM): saved, resumes", check_stopped_worker),
+    Step("2-worker job run again: resumes on both", check_lost_worker_resume),
     Step("MLflow identities: viewer 403, worker allowed", check_identities),
     Step("worker on another network: smoke via the front door", check_remote_worker),
     Step("no secret in images, logs, MLflow or Prefect", check_no_secrets),

@@ -1,9 +1,11 @@
-"""Drills of one training spread over two worker containers, and of a worker stopped politely (SIGTERM).
+"""Drills of one training spread over two worker containers: one of them killed, then the job run again.
 
 They run after the search drill, which leaves two workers, one flow run each (CIFAR_WORKER_LIMIT=1), and
 a `training` limit of 2. A job of `train.workers=2` is then the smoke deployment's run (the chief) on one
 container and the `cifar-train-worker/worker` run it places on the other: they meet through the Prefect
-API and train one MultiWorkerMirroredStrategy model over the compose network.
+API and train one MultiWorkerMirroredStrategy model over the compose network. The job run again after the kill
+is the drill of a job that trains to the end (one MLflow run, the same loss on both workers): one training
+serves both, where a clean job of its own would repeat what the re-run proves.
 """
 
 from __future__ import annotations
@@ -13,19 +15,16 @@ import time
 from typing import Any
 
 from scripts.stack_check.context import Context
-from scripts.stack_check.drills import submitted_flow_runs
+from scripts.stack_check.drills import metric_steps, submitted_flow_runs
 from scripts.stack_check.report import Row
 from scripts.stack_check.shell import StepError, wait_until
-from scripts.stack_check.stack import FINAL_STATES, WORKDIR, Stack, archive_parameters
+from scripts.stack_check.stack import WORKDIR, Stack, archive_parameters
 
-JOB_RUN = "stack-check-2-workers"
 LOST_RUN = "stack-check-2-workers-lost"
-STOP_RUN = "stack-check-sigterm"
 JOB_TAG = "cifar-training-job"  # On the flow runs a chief places (tasks/cluster.py).
 # A job must end this soon after one of its workers is killed: TensorFlow's coordination service
 # misses the lost worker's heartbeats within 10 s; the rest is the chief reporting its failure.
 LOST_WORKER_BOUND_SECONDS = 60
-STOP_TIMEOUT_SECONDS = 120  # `podman stop -t`: compose's stop_grace_period for the workers.
 WORKER_EPOCH = re.compile(r"Worker 1: epoch (\d+)/\d+, loss (\d+\.\d+)")
 
 
@@ -70,64 +69,26 @@ def mlflow_run_of(stack: Stack, run_name: str) -> str:
     return state["mlflow_run_id"]
 
 
-def metric_steps(stack: Stack, run_id: str, key: str) -> dict[int, float]:
-    """step -> value of one metric; StepError if a step was logged twice."""
-    history = stack.mlflow("metrics/get-history", run_id=run_id, metric_key=key).get("metrics", [])
-    steps = [entry["step"] for entry in history]
-    if len(steps) != len(set(steps)):
-        raise StepError(f"MLflow run {run_id} has {key} logged twice at steps {sorted(steps)}")
-    return {entry["step"]: entry["value"] for entry in history}
-
-
 def runs_started_since(stack: Stack, experiment_id: str, since_ms: int) -> list[dict]:
     url = f"{stack.mlflow_url}/api/2.0/mlflow/runs/search"
     body = {"experiment_ids": [experiment_id], "filter": f"attributes.start_time >= {since_ms}", "max_results": 50}
     return stack.http("POST", url, body, auth=stack.credentials("mlflow-admin")).get("runs", [])
 
 
-def check_two_workers(context: Context, row: Row) -> None:
-    stack, started = context.stack, time.monotonic()
-    since_ms, known = int(time.time() * 1000), set(job_flow_runs(stack))
-    chief_id = stack.deployment_run("cifar/smoke", job_parameters(context, JOB_RUN, 3), watch=True, timeout=1200)
-    chief = stack.wait_flow_run(chief_id, {"COMPLETED"}, timeout=120)
-    worker = placed_worker(stack, known, timeout=30)
-    worker = stack.wait_flow_run(worker["id"], {"COMPLETED"}, timeout=120)
-    chief_container, worker_container = container_of(stack, chief_id), container_of(stack, worker["id"])
-    if chief_container == worker_container:
-        raise StepError(f"the chief and its worker both ran in {chief_container}")
-    run_id = mlflow_run_of(stack, JOB_RUN)
-    experiment = stack.mlflow("runs/get", run_id=run_id)["run"]["info"]["experiment_id"]
-    opened = runs_started_since(stack, experiment, since_ms)
-    if [run["info"]["run_id"] for run in opened] != [run_id]:
-        raise StepError(f"MLflow runs opened by the job: {[run['info']['run_name'] for run in opened]}, not one")
-    chief_losses = metric_steps(stack, run_id, "loss")
-    worker_losses = {int(epoch): float(loss) for epoch, loss in WORKER_EPOCH.findall("\n".join(
-        stack.flow_run_logs(worker["id"])))}  # fmt: skip
-    if sorted(chief_losses) != [1, 2, 3] or sorted(worker_losses) != [1, 2, 3]:
-        raise StepError(f"epochs logged: chief (MLflow) {sorted(chief_losses)}, worker {sorted(worker_losses)}")
-    differing = {epoch: (chief_losses[epoch], worker_losses[epoch]) for epoch in chief_losses
-                 if abs(chief_losses[epoch] - worker_losses[epoch]) > 1e-3}  # fmt: skip
-    if differing:
-        raise StepError(f"the workers' losses differ (chief, worker) by epoch: {differing}")
-    index = stack.read_json("worker", f"{WORKDIR}/runs/{JOB_RUN}/checkpoints/index.json") or {}
-    saved = sorted(entry["epoch"] for entry in index.get("entries", []))
-    leftovers = stack.engine("exec", worker_container, "find", "/tmp", "-maxdepth", "1", "-name", "worker-1-*",
-                             timeout=60).stdout.split()  # fmt: skip
-    if not saved or saved[-1] != 3 or leftovers:
-        raise StepError(f"the chief's checkpoints: epochs {saved}; the worker's scratch left: {leftovers}")
-    project = len(stack.project) + 1
-    losses = ", ".join(f"{chief_losses[epoch]:.4f}" for epoch in sorted(chief_losses))
-    row.detail = (
-        f"chief {chief['name']} in {chief_container[project:]}, worker in {worker_container[project:]}, both "
-        f"COMPLETED in {time.monotonic() - started:.0f} s; one MLflow run, loss by epoch {losses} on both workers "
-        f"(±1e-3); checkpoints only in the chief's run folder (epochs {saved}), the worker's scratch deleted"
-    )
+def worker_scratch(stack: Stack, container: str) -> set[str]:
+    """A job worker's scratch directories in a container's /tmp (cifar/distribute.py makes one per training)."""
+    found = stack.engine("exec", container, "find", "/tmp", "-maxdepth", "1", "-name", "worker-1-*", timeout=60)
+    return set(found.stdout.split())
 
 
 def check_lost_worker(context: Context, row: Row) -> None:
-    """A 4-epoch job; after the chief's first checkpoint the worker's container is killed (SIGKILL)."""
+    """A 4-epoch job; after the chief's first checkpoint the worker's container is killed (SIGKILL).
+
+    The chief fails at once, and the job can run again at once: its worker's flow run, whose heartbeats
+    stopped, is marked CRASHED by the automation while the re-run trains (check_lost_worker_resume waits).
+    """
     stack, findings = context.stack, context.findings
-    known = set(job_flow_runs(stack))
+    findings.lost_since_ms, known = int(time.time() * 1000), set(job_flow_runs(stack))
     chief_id = stack.deployment_run("cifar/smoke", job_parameters(context, LOST_RUN, 4), watch=False)
     worker = placed_worker(stack, known)
     stack.wait_flow_run(worker["id"], {"RUNNING"}, timeout=300)
@@ -149,81 +110,63 @@ def check_lost_worker(context: Context, row: Row) -> None:
     if stack.state(container) != "running":  # restart: unless-stopped may already have started it again.
         stack.engine("start", container, timeout=120)
     stack.wait_healthy(["worker"], 600)
-    lost = stack.wait_flow_run(worker["id"], {"CRASHED", "FAILED"}, timeout=300)  # The heartbeat automation.
     index = stack.read_json("worker", f"{WORKDIR}/runs/{LOST_RUN}/checkpoints/index.json")
     findings.lost_last_epoch = max(entry["epoch"] for entry in index["entries"])
-    findings.lost_mlflow_run = mlflow_run_of(stack, LOST_RUN)
+    findings.lost_mlflow_run, findings.lost_worker_run = mlflow_run_of(stack, LOST_RUN), worker["id"]
     if findings.lost_last_epoch >= 4:
         raise StepError("training had finished before the kill: nothing to resume")
     message = (chief["state"].get("message") or "").removeprefix("Flow run encountered an exception: ")
     message = message.split(" (TensorFlow")[0]
     row.detail = (
         f"worker container killed after epoch {findings.lost_last_epoch}/4: chief {chief['state']['type']} "
-        f"{ended_after:.0f} s later ({message}); the worker's flow run {lost['state']['type']} "
-        f"(heartbeats stopped); no flow run of the job left RUNNING"
+        f"{ended_after:.0f} s later ({message})"
     )
 
 
 def check_lost_worker_resume(context: Context, row: Row) -> None:
+    """The job run again: a chief and a worker in the two containers train one model, one MLflow run."""
     stack, findings, started = context.stack, context.findings, time.monotonic()
+    scratch_before = {name: worker_scratch(stack, name) for name in stack.containers("worker")}
+    known = set(job_flow_runs(stack))
     chief_id = stack.deployment_run("cifar/smoke", job_parameters(context, LOST_RUN, 4), watch=True, timeout=1200)
-    stack.wait_flow_run(chief_id, {"COMPLETED"}, timeout=120)
+    chief = stack.wait_flow_run(chief_id, {"COMPLETED"}, timeout=120)
+    worker = placed_worker(stack, known, timeout=30)
+    worker = stack.wait_flow_run(worker["id"], {"COMPLETED"}, timeout=120)
+    lost = stack.wait_flow_run(findings.lost_worker_run, {"CRASHED", "FAILED"}, timeout=300)  # Heartbeats stopped.
     wanted = f"resuming {LOST_RUN} after epoch {findings.lost_last_epoch}"
     wait_until(f"the log line '{wanted}'", lambda: any(wanted in line for line in stack.flow_run_logs(chief_id)), 60)
-    if mlflow_run_of(stack, LOST_RUN) != findings.lost_mlflow_run:
+    chief_container, worker_container = container_of(stack, chief_id), container_of(stack, worker["id"])
+    if chief_container == worker_container:
+        raise StepError(f"the chief and its worker both ran in {chief_container}")
+    run_id = mlflow_run_of(stack, LOST_RUN)
+    if run_id != findings.lost_mlflow_run:
         raise StepError("the re-run opened a new MLflow run instead of continuing the job's")
-    steps = sorted(metric_steps(stack, findings.lost_mlflow_run, "loss"))
-    if steps != [1, 2, 3, 4]:
-        raise StepError(f"MLflow loss steps {steps}, not 1-4 once each")
+    experiment = stack.mlflow("runs/get", run_id=run_id)["run"]["info"]["experiment_id"]
+    opened = runs_started_since(stack, experiment, findings.lost_since_ms)
+    if [run["info"]["run_id"] for run in opened] != [run_id]:
+        raise StepError(f"MLflow runs opened by the job: {[run['info']['run_name'] for run in opened]}, not one")
+    chief_losses = metric_steps(stack, run_id, "loss")
+    worker_losses = {int(epoch): float(loss) for epoch, loss in WORKER_EPOCH.findall("\n".join(
+        stack.flow_run_logs(worker["id"])))}  # fmt: skip
+    resumed = list(range(findings.lost_last_epoch + 1, 5))
+    if sorted(chief_losses) != [1, 2, 3, 4] or sorted(worker_losses) != resumed:
+        logged = f"chief (MLflow) {sorted(chief_losses)}, the re-run's worker {sorted(worker_losses)}"
+        raise StepError(f"epochs logged: {logged}")
+    differing = {epoch: (chief_losses[epoch], worker_losses[epoch]) for epoch in resumed
+                 if abs(chief_losses[epoch] - worker_losses[epoch]) > 1e-3}  # fmt: skip
+    if differing:
+        raise StepError(f"the workers' losses differ (chief, worker) by epoch: {differing}")
+    index = stack.read_json("worker", f"{WORKDIR}/runs/{LOST_RUN}/checkpoints/index.json") or {}
+    saved = sorted(entry["epoch"] for entry in index.get("entries", []))
+    left = worker_scratch(stack, worker_container) - scratch_before.get(worker_container, set())
+    if not saved or saved[-1] != 4 or left:
+        raise StepError(f"the chief's checkpoints: epochs {saved}; the worker's scratch left: {sorted(left)}")
+    project = len(stack.project) + 1
+    losses = ", ".join(f"{chief_losses[epoch]:.4f}" for epoch in resumed)
     row.detail = (
-        f"both workers back, job COMPLETED in {time.monotonic() - started:.0f} s: '{wanted}', epochs "
-        f"{findings.lost_last_epoch + 1}-4 trained, MLflow loss steps 1-4 once each in the same run"
-    )
-
-
-def check_stopped_worker(context: Context, row: Row) -> None:
-    """`podman stop` of the container training a run (SIGTERM): a checkpoint, a clean end, the re-run continues."""
-    stack, started = context.stack, time.monotonic()
-    parameters = job_parameters(context, STOP_RUN, 4, workers=1)
-    flow_run_id = stack.deployment_run("cifar/smoke", parameters, watch=False)
-    stack.wait_flow_run(flow_run_id, {"RUNNING"}, timeout=300)
-    container = container_of(stack, flow_run_id)
-
-    def first_epoch():
-        history = stack.read_json("worker", f"{WORKDIR}/runs/{STOP_RUN}/history.json")
-        return history if history and history.get("epoch") else None
-
-    wait_until("the drill's first epoch", first_epoch, timeout=600, interval=1)
-    stopping = time.monotonic()
-    stack.engine("stop", "-t", str(STOP_TIMEOUT_SECONDS), container, timeout=STOP_TIMEOUT_SECONDS + 60)
-    stopped_after = time.monotonic() - stopping
-    run = stack.flow_run(flow_run_id)
-    message = run["state"].get("message") or ""
-    saved = re.search(r"saved after step (\d+) of (\d+) in epoch (\d+)", message)
-    if run["state"]["type"] not in FINAL_STATES - {"COMPLETED"} or not saved:
-        raise StepError(f"after `stop` the flow run is {run['state']['type']}: {message[:300]}")
-    exit_code = stack.engine("inspect", "--format", "{{.State.ExitCode}}", container, timeout=60).stdout.strip()
-    if stopped_after >= STOP_TIMEOUT_SECONDS or exit_code == "137":
-        raise StepError(f"the container did not stop by itself within {STOP_TIMEOUT_SECONDS} s (exit {exit_code})")
-    step, steps, epoch = (int(value) for value in saved.groups())
-    run_id = mlflow_run_of(stack, STOP_RUN)
-    stack.engine("start", container, timeout=120)
-    stack.wait_healthy_containers([container], 600)
-    stack.pause_nightly()
-    rerun_id = stack.deployment_run("cifar/smoke", parameters, watch=True, timeout=1200)
-    stack.wait_flow_run(rerun_id, {"COMPLETED"}, timeout=120)
-    wanted = f"resuming {STOP_RUN} after step {step} of epoch {epoch}"
-    wait_until(f"the log line '{wanted}'", lambda: any(wanted in line for line in stack.flow_run_logs(rerun_id)), 60)
-    history = stack.read_json("worker", f"{WORKDIR}/runs/{STOP_RUN}/history.json") or {}
-    losses = metric_steps(stack, run_id, "loss")
-    if (
-        history.get("epoch") != [1, 2, 3, 4]
-        or sorted(losses) != [1, 2, 3, 4]
-        or mlflow_run_of(stack, STOP_RUN) != run_id
-    ):
-        raise StepError(f"after the re-run: history {history.get('epoch')}, MLflow loss steps {sorted(losses)}")
-    row.detail = (
-        f"`{stack.engine.name} stop` during epoch {epoch}: saved after step {step} of {steps}, flow run "
-        f"{run['state']['type']}, container exited {exit_code} in {stopped_after:.0f} s; the re-run "
-        f"'{wanted}', history 1-4 once each, one MLflow run ({time.monotonic() - started:.0f} s in all)"
+        f"the killed worker's flow run {lost['state']['type']} (heartbeats stopped); chief {chief['name']} in "
+        f"{chief_container[project:]}, worker in {worker_container[project:]}, both COMPLETED in "
+        f"{time.monotonic() - started:.0f} s: '{wanted}', epochs {resumed[0]}-4 trained, loss {losses} on both "
+        f"workers (±1e-3); one MLflow run, loss steps 1-4 once each; checkpoints only in the chief's run folder "
+        f"(epochs {saved}), the worker's scratch deleted"
     )

@@ -72,9 +72,13 @@ class Findings:
     champion_version: str = ""
     artifact_files: int = 0  # Files on the mlartifacts volume after the smoke run.
     kill_last_epoch: int = 0  # The last epoch checkpointed before the worker was killed.
-    kill_mlflow_run: str | None = None  # The killed training's MLflow run, which the re-run must continue.
+    kill_mlflow_run: str | None = None  # The killed training's MLflow run, which the re-runs must continue.
+    stop_step: int = 0  # Where the re-run saved when its container was stopped: the step in that epoch,
+    stop_epoch: int = 0  # which the next re-run must resume after.
     lost_last_epoch: int = 0  # The 2-worker job's last checkpointed epoch when its worker was killed.
     lost_mlflow_run: str = ""  # That job's MLflow run.
+    lost_worker_run: str = ""  # The killed worker's flow run, to be marked CRASHED while the job runs again.
+    lost_since_ms: int = 0  # When that job started (MLflow's clock): it and its re-run open one MLflow run.
 
 
 @dataclass

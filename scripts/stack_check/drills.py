@@ -1,4 +1,5 @@
-"""Drills on the running stack: a worker killed mid-training, the re-run that resumes, two workers sharing a search."""
+"""Drills on the running stack: a worker killed mid-training, then stopped (SIGTERM) in the re-run that resumes, and
+the re-run after that; two workers sharing a search."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from typing import Any
 from scripts.stack_check.context import Context
 from scripts.stack_check.report import Row
 from scripts.stack_check.shell import StepError, wait_until
-from scripts.stack_check.stack import WORKDIR, Stack, archive_parameters
+from scripts.stack_check.stack import FINAL_STATES, WORKDIR, Stack, archive_parameters
 
 KILL_RUN_NAME = "stack-check-kill"
 KILL_RUN_DIR = f"{WORKDIR}/runs/{KILL_RUN_NAME}"
+STOP_TIMEOUT_SECONDS = 120  # `podman stop -t`: compose's stop_grace_period for the workers.
 
 
 def kill_parameters(archive: Path) -> dict[str, Any]:
@@ -42,8 +44,8 @@ def check_kill(context: Context, row: Row) -> None:
     stack.pause_nightly()
     index = stack.read_json("worker", f"{KILL_RUN_DIR}/checkpoints/index.json")
     last_epoch = max(item["epoch"] for item in index["entries"])
-    if last_epoch >= 4:
-        raise StepError("training had finished before the kill: nothing to resume")
+    if last_epoch >= 3:  # The re-run trains an epoch, then is stopped in the last (check_resume_then_stop).
+        raise StepError(f"training was at epoch {last_epoch} of 4 when killed: too late for the drills that follow")
     run = stack.wait_flow_run(flow_run_id, {"CRASHED"}, timeout=420)
     crashed_after = time.monotonic() - killed_at
     context.findings.kill_last_epoch, context.findings.kill_mlflow_run = last_epoch, state_before.get("mlflow_run_id")
@@ -53,11 +55,55 @@ def check_kill(context: Context, row: Row) -> None:
     )
 
 
-def check_resume(context: Context, row: Row) -> None:
+def check_resume_then_stop(context: Context, row: Row) -> None:
+    """The re-run continues the killed training; one epoch later its container is stopped politely (SIGTERM).
+
+    One training serves both drills: the resume after a kill, and a stop that saves mid-epoch and ends the
+    flow run by itself before `stop`'s grace period runs out.
+    """
+    stack, findings = context.stack, context.findings
+    flow_run_id = stack.deployment_run("cifar/smoke", kill_parameters(context.settings.archive), watch=False)
+    stack.wait_flow_run(flow_run_id, {"RUNNING"}, timeout=300)
+    wanted = f"resuming {KILL_RUN_NAME} after epoch {findings.kill_last_epoch}"
+
+    def logged():
+        return any(wanted in message for message in stack.flow_run_logs(flow_run_id))
+
+    wait_until(f"the log line '{wanted}'", logged, timeout=300, interval=1)
+
+    def trained_one_more():  # Stopped in an epoch after the first it trained: the stop lands mid-epoch.
+        history = stack.read_json("worker", f"{KILL_RUN_DIR}/history.json") or {}
+        return len(history.get("epoch", [])) > findings.kill_last_epoch
+
+    wait_until("an epoch trained by the re-run", trained_one_more, timeout=600, interval=1)
+    container = stack.container("worker")
+    stopping = time.monotonic()
+    stack.engine("stop", "-t", str(STOP_TIMEOUT_SECONDS), container, timeout=STOP_TIMEOUT_SECONDS + 60)
+    stopped_after = time.monotonic() - stopping
+    run = stack.flow_run(flow_run_id)
+    message = run["state"].get("message") or ""
+    saved = re.search(r"saved after step (\d+) of (\d+) in epoch (\d+)", message)
+    if run["state"]["type"] not in FINAL_STATES - {"COMPLETED"} or not saved:
+        raise StepError(f"after `stop` the flow run is {run['state']['type']}: {message[:300]}")
+    exit_code = stack.engine("inspect", "--format", "{{.State.ExitCode}}", container, timeout=60).stdout.strip()
+    if stopped_after >= STOP_TIMEOUT_SECONDS or exit_code == "137":
+        raise StepError(f"the container did not stop by itself within {STOP_TIMEOUT_SECONDS} s (exit {exit_code})")
+    findings.stop_step, steps, findings.stop_epoch = (int(value) for value in saved.groups())
+    stack.engine("start", container, timeout=120)
+    stack.wait_healthy_containers([container], 600)
+    stack.pause_nightly()
+    row.detail = (
+        f"re-run logged '{wanted}'; `{stack.engine.name} stop` during epoch {findings.stop_epoch}: saved after "
+        f"step {findings.stop_step} of {steps}, flow run {run['state']['type']}, container exited {exit_code} in "
+        f"{stopped_after:.0f} s"
+    )
+
+
+def check_resume_after_stop(context: Context, row: Row) -> None:
     stack, findings = context.stack, context.findings
     flow_run_id = stack.deployment_run("cifar/smoke", kill_parameters(context.settings.archive), watch=True)
     stack.wait_flow_run(flow_run_id, {"COMPLETED"}, timeout=120)
-    wanted = f"resuming {KILL_RUN_NAME} after epoch {findings.kill_last_epoch}"
+    wanted = f"resuming {KILL_RUN_NAME} after step {findings.stop_step} of epoch {findings.stop_epoch}"
 
     def logged():
         return any(wanted in message for message in stack.flow_run_logs(flow_run_id))
@@ -68,10 +114,13 @@ def check_resume(context: Context, row: Row) -> None:
     if history.get("epoch") != [1, 2, 3, 4] or state.get("status") != "completed":
         raise StepError(f"history epochs {history.get('epoch')}, state {state.get('status')}")
     if state.get("mlflow_run_id") != findings.kill_mlflow_run:
-        raise StepError("the re-run opened a new MLflow run instead of continuing the killed one")
+        raise StepError("a re-run opened a new MLflow run instead of continuing the killed one")
+    losses = metric_steps(stack, findings.kill_mlflow_run, "loss")
+    if sorted(losses) != [1, 2, 3, 4]:
+        raise StepError(f"MLflow loss steps {sorted(losses)}, not 1-4 once each")
     row.detail = (
-        f"re-run logged '{wanted}', trained epochs {findings.kill_last_epoch + 1}-4 only, history 1-4 once each, "
-        "same MLflow run"
+        f"the second re-run logged '{wanted}'; after a kill and a stop, history 1-4 once each, MLflow loss steps "
+        "1-4 once each, one MLflow run"
     )
 
 
@@ -153,6 +202,15 @@ def trial_spans(stack: Stack, workers: list[str], trials: list[dict]) -> list[tu
             raise StepError(f"trial {trial['number']} was submitted by {ran_in or 'no worker'}")
         spans.append((ran_in[0], parse_time(run["start_time"]), parse_time(run["end_time"]), trial["number"]))
     return spans
+
+
+def metric_steps(stack: Stack, run_id: str, key: str) -> dict[int, float]:
+    """step -> value of one metric; StepError if a step was logged twice."""
+    history = stack.mlflow("metrics/get-history", run_id=run_id, metric_key=key).get("metrics", [])
+    steps = [entry["step"] for entry in history]
+    if len(steps) != len(set(steps)):
+        raise StepError(f"MLflow run {run_id} has {key} logged twice at steps {sorted(steps)}")
+    return {entry["step"]: entry["value"] for entry in history}
 
 
 def submitted_flow_runs(worker_log: str) -> set[str]:
