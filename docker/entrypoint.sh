@@ -3,7 +3,8 @@
 #
 #   worker [ARGS...]   create what the worker needs on the server when missing: the work pool, the
 #                      `training` concurrency limit; make or update the automations (flow runs whose
-#                      heartbeats stopped marked CRASHED; notifications); register every deployment; then
+#                      heartbeats stopped marked CRASHED; notifications); register every deployment
+#                      unless the server has them from this very code (flows/worker_setup.py); then
 #                      `prefect worker start --pool $CIFAR_WORK_POOL --with-healthcheck [--limit
 #                      $CIFAR_WORKER_LIMIT] ARGS...`
 #   anything else      run as given: `python flows/pipeline.py ...`, `prefect ...`, `mlflow ...`, `bash`
@@ -29,15 +30,10 @@ if [[ ${1:-worker} != worker ]]; then
 fi
 shift || true
 
-if ! prefect work-pool inspect "$pool" >/dev/null 2>&1; then
-    # Another worker may create it at the same moment; only a pool that still is missing is an error.
-    prefect work-pool create "$pool" --type process || prefect work-pool inspect "$pool" >/dev/null
-fi
-# At most one training at a time (tasks/training.py tags its task `training`); raise the limit
-# (`prefect concurrency-limit create training N`) once workers run on separate devices.
-if ! prefect concurrency-limit inspect training >/dev/null 2>&1; then
-    prefect concurrency-limit create training 1 >/dev/null || prefect concurrency-limit inspect training >/dev/null
-fi
+# The pool and the `training` limit when missing (at most one training at a time, tasks/training.py tags its
+# task `training`; raise it with `prefect concurrency-limit create training N` once workers run on separate
+# devices); the automations; and the deployments, deployed again only when this image's code differs from the
+# code they were deployed from (flows/worker_setup.py), all in one process.
 # A flow run whose process dies with its container (killed, evicted, out of memory, the machine lost) reports
 # nothing more: without a rule it would stay RUNNING forever. Every flow run sends a heartbeat event every
 # PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (30 in docker/compose.yaml); the automation "cifar: crash flow
@@ -46,8 +42,7 @@ fi
 # the notifications (CIFAR_NOTIFY_WEBHOOK_URL or _FILE): flows/automations.py makes or updates both, so a
 # new image brings its rules to a server made by an older one.
 crashed_after=${CIFAR_CRASHED_AFTER_SECONDS:-90}
-python flows/automations.py --crashed-after "$crashed_after"
-prefect --no-prompt deploy --all
+python flows/worker_setup.py --pool "$pool" --crashed-after "$crashed_after"
 # prefect.yaml's pull step starts each flow run in "{{ $PWD }}" as the worker sees it: this directory
 # (the image's WORKDIR, /app), so the flows' `./workdir` is the `workdir` volume.
 export PWD

@@ -38,7 +38,8 @@ GATE_PASSES_ALL = {"min_improvement": -1.0, "max_class_drop": 1.0, "significance
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
-    """A server with the nightly and approval-timeout deployments, the notification automations, a worker."""
+    """A server with the nightly and approval-timeout deployments (then all, as a stack's worker makes them), the
+    notification automations, a worker."""
     home = tmp_path_factory.mktemp("prefect-home")
     stack = Stack(start_prefect_server(home), None, {})
     with WebhookReceiver() as receiver:
@@ -52,10 +53,16 @@ def release(tmp_path_factory):
             made = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
             assert made.returncode == 0 and "5 automations" in made.stdout, made.stderr[-2000:]
             assert receiver.url not in made.stdout + made.stderr  # The URL is a secret.
-            # A worker starting again changes nothing: an update would reset what the crash rule watches.
+            # A worker starting (docker/entrypoint.sh) changes no automation: an update would reset what the crash
+            # rule watches. The first deploys every deployment, the next finds them made from this code.
             before = updated_automations(stack)
-            again = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
-            assert "(3600 s, as it was)" in again.stdout and updated_automations(stack) == before, again.stderr
+            setup = [sys.executable, "flows/worker_setup.py", "--pool", POOL, "--crashed-after", "3600"]
+            first = subprocess.run(setup, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+            assert first.returncode == 0 and "(3600 s, as it was)" in first.stdout, first.stderr[-3000:]
+            assert "pool and training limit present" in first.stdout and "Deploying smoke" in first.stdout
+            again = subprocess.run(setup, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
+            assert again.returncode == 0 and "not deployed again" in again.stdout, again.stdout + again.stderr[-3000:]
+            assert "Deploying" not in again.stdout and updated_automations(stack) == before
             # Then the crash rule goes: on this test server's SQLite, Prefect's two trigger consumers race to insert
             # its per-flow-run bucket; the loser's event is delivered again and every automation evaluates it again,
             # so a notice went out twice (3 of 4 CI runs on 2026-11-28; server log "Failed in consume_loop"). The

@@ -603,7 +603,7 @@ def test_crashed_flow_runs_are_detected_by_heartbeats(compose):
     [(frequency, window)] = settings  # The same on every worker (compose's defaults here).
     script = (DOCKER_DIR / "entrypoint.sh").read_text(encoding="utf-8")
     assert f"crashed_after=${{CIFAR_CRASHED_AFTER_SECONDS:-{window}}}" in script  # The entry point's default.
-    assert 'python flows/automations.py --crashed-after "$crashed_after"' in script
+    assert 'python flows/worker_setup.py --pool "$pool" --crashed-after "$crashed_after"' in script
     from flows.automations import zombie_automation
 
     automation = AutomationCore.model_validate(zombie_automation(int(window)).model_dump(mode="json"))

@@ -33,10 +33,10 @@ exit 0
 
 
 def stand_in_automations(app_dir: Path) -> None:
-    """The entry point makes the automations with `python flows/automations.py` (from the image's /app): here
-    a stand-in that does nothing, as the stand-in `prefect` does."""
+    """The entry point makes the pool, the automations and the deployments with `python flows/worker_setup.py`
+    (from the image's /app): here a stand-in that does nothing, as the stand-in `prefect` does."""
     (app_dir / "flows").mkdir()
-    (app_dir / "flows" / "automations.py").write_text("")
+    (app_dir / "flows" / "worker_setup.py").write_text("")
 
 
 @pytest.mark.slow
