@@ -53,16 +53,20 @@ def release(tmp_path_factory):
             made = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
             assert made.returncode == 0 and "5 automations" in made.stdout, made.stderr[-2000:]
             assert receiver.url not in made.stdout + made.stderr  # The URL is a secret.
-            # A worker starting (docker/entrypoint.sh) changes no automation: an update would reset what the crash
-            # rule watches. The first deploys every deployment, the next finds them made from this code.
+            # A worker starting (docker/entrypoint.sh) changes none of ours: an update would reset what the crash
+            # rule watches. The first deploys every deployment (the nightly's trigger with it), the next finds them
+            # made from this code and changes nothing at all.
             before = updated_automations(stack)
+            ours = {name for name in before if name.startswith("cifar: ")}
             setup = [sys.executable, "flows/worker_setup.py", "--pool", POOL, "--crashed-after", "3600"]
             first = subprocess.run(setup, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
             assert first.returncode == 0 and "(3600 s, as it was)" in first.stdout, first.stderr[-3000:]
             assert "pool and training limit present" in first.stdout and "Deploying smoke" in first.stdout
+            deployed = updated_automations(stack)
+            assert {name: deployed[name] for name in ours} == {name: before[name] for name in ours}
             again = subprocess.run(setup, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
             assert again.returncode == 0 and "not deployed again" in again.stdout, again.stdout + again.stderr[-3000:]
-            assert "Deploying" not in again.stdout and updated_automations(stack) == before
+            assert "Deploying" not in again.stdout and updated_automations(stack) == deployed
             # Then the crash rule goes: on this test server's SQLite, Prefect's two trigger consumers race to insert
             # its per-flow-run bucket; the loser's event is delivered again and every automation evaluates it again,
             # so a notice went out twice (3 of 4 CI runs on 2026-11-28; server log "Failed in consume_loop"). The
