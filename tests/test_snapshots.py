@@ -162,6 +162,25 @@ def test_drift_measures_on_known_histograms():
     assert half == Profile.of(image_features(images))  # Profiles of parts add up to the whole's.
 
 
+def test_image_features_of_images_worked_by_hand(monkeypatch):
+    plain = np.broadcast_to(np.array([10, 20, 30], np.uint8), (1, 32, 32, 3))
+    halves = np.zeros((1, 4, 6, 3), np.uint8)
+    halves[:, :2] = 255  # Top half white, bottom half black: luma 255 and 0, its spread 127.5.
+    for name, images, expected in [
+        ("plain", plain, {"brightness": 0.299 * 10 + 0.587 * 20 + 0.114 * 30, "contrast": 0.0,
+                          "mean_red": 10, "mean_green": 20, "mean_blue": 30}),
+        ("halves", halves, {"brightness": 127.5, "contrast": 127.5, "mean_red": 127.5, "mean_green": 127.5,
+                            "mean_blue": 127.5}),
+    ]:  # fmt: skip
+        features = image_features(np.ascontiguousarray(images))
+        assert {key: float(values[0]) for key, values in features.items()} == pytest.approx(expected, abs=1e-3), name
+    many = official_test_images(50)
+    whole = image_features(many)
+    monkeypatch.setattr("cifar.data.drift.CHUNK_IMAGES", 16)  # Chunks give each image its own features.
+    chunked = image_features(many)
+    assert all(np.array_equal(whole[name], chunked[name]) for name in whole)
+
+
 def test_near_duplicates_survive_shifts_crops_colour_and_jpeg_but_different_images_do_not_match():
     originals = official_test_images(40)
     padded = np.pad(originals, ((0, 0), (1, 1), (1, 1), (0, 0)), mode="reflect")
