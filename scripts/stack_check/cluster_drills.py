@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from scripts.stack_check.context import Context
-from scripts.stack_check.drills import metric_steps, submitted_flow_runs
+from scripts.stack_check.drills import metric_steps, submitted_flow_runs, wait_for_log_line
 from scripts.stack_check.report import Row
 from scripts.stack_check.shell import StepError, wait_until
 from scripts.stack_check.stack import WORKDIR, Stack, archive_parameters
@@ -134,7 +134,7 @@ def check_lost_worker_resume(context: Context, row: Row) -> None:
     worker = stack.wait_flow_run(worker["id"], {"COMPLETED"}, timeout=120)
     lost = stack.wait_flow_run(findings.lost_worker_run, {"CRASHED", "FAILED"}, timeout=300)  # Heartbeats stopped.
     wanted = f"resuming {LOST_RUN} after epoch {findings.lost_last_epoch}"
-    wait_until(f"the log line '{wanted}'", lambda: any(wanted in line for line in stack.flow_run_logs(chief_id)), 60)
+    wait_for_log_line(stack, chief_id, wanted, timeout=60)
     chief_container, worker_container = container_of(stack, chief_id), container_of(stack, worker["id"])
     if chief_container == worker_container:
         raise StepError(f"the chief and its worker both ran in {chief_container}")

@@ -65,11 +65,7 @@ def check_resume_then_stop(context: Context, row: Row) -> None:
     flow_run_id = stack.deployment_run("cifar/smoke", kill_parameters(context.settings.archive), watch=False)
     stack.wait_flow_run(flow_run_id, {"RUNNING"}, timeout=300)
     wanted = f"resuming {KILL_RUN_NAME} after epoch {findings.kill_last_epoch}"
-
-    def logged():
-        return any(wanted in message for message in stack.flow_run_logs(flow_run_id))
-
-    wait_until(f"the log line '{wanted}'", logged, timeout=300, interval=1)
+    wait_for_log_line(stack, flow_run_id, wanted, timeout=300)
 
     def trained_one_more():  # Stopped in an epoch after the first it trained: the stop lands mid-epoch.
         history = stack.read_json("worker", f"{KILL_RUN_DIR}/history.json") or {}
@@ -104,11 +100,7 @@ def check_resume_after_stop(context: Context, row: Row) -> None:
     flow_run_id = stack.deployment_run("cifar/smoke", kill_parameters(context.settings.archive), watch=True)
     stack.wait_flow_run(flow_run_id, {"COMPLETED"}, timeout=120)
     wanted = f"resuming {KILL_RUN_NAME} after step {findings.stop_step} of epoch {findings.stop_epoch}"
-
-    def logged():
-        return any(wanted in message for message in stack.flow_run_logs(flow_run_id))
-
-    wait_until(f"the log line '{wanted}'", logged, timeout=60, interval=1)
+    wait_for_log_line(stack, flow_run_id, wanted, timeout=60)
     history = stack.read_json("worker", f"{KILL_RUN_DIR}/history.json") or {}
     state = stack.read_json("worker", f"{KILL_RUN_DIR}/state.json") or {}
     if history.get("epoch") != [1, 2, 3, 4] or state.get("status") != "completed":
@@ -202,6 +194,15 @@ def trial_spans(stack: Stack, workers: list[str], trials: list[dict]) -> list[tu
             raise StepError(f"trial {trial['number']} was submitted by {ran_in or 'no worker'}")
         spans.append((ran_in[0], parse_time(run["start_time"]), parse_time(run["end_time"]), trial["number"]))
     return spans
+
+
+def wait_for_log_line(stack: Stack, flow_run_id: str, wanted: str, timeout: float) -> None:
+    """Until a line of the flow run's logs contains `wanted` (StepError after `timeout`)."""
+
+    def logged():
+        return any(wanted in line for line in stack.flow_run_logs(flow_run_id))
+
+    wait_until(f"the log line '{wanted}'", logged, timeout, interval=1)
 
 
 def metric_steps(stack: Stack, run_id: str, key: str) -> dict[int, float]:
