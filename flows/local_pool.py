@@ -42,7 +42,6 @@ DEPLOYMENTS = [  # (entry point, deployment name, description)
         "A worker of a multi-worker training, placed by its chief.",
     ),
 ]
-TRAINING_TAG = "training"  # tasks/training.py's tag: its limit is how many trainings run at once.
 START_TIMEOUT_SECONDS = 180.0
 STAGE_LOG_ENV = {"PREFECT_LOGGING_EXTRA_LOGGERS": "cifar,tasks"}  # As prefect.yaml's pool: stage logs in the UI.
 
@@ -60,14 +59,10 @@ def create_pool_and_deployment(workers: int) -> None:
     """The process pool, the `training` limit, the `cifar/trial` and `cifar-train-worker/worker` deployments (this
     checkout) on the server."""
     from prefect import Flow
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.workers.process import ProcessWorker
 
-    with get_client(sync_client=True) as client:
-        template = ProcessWorker.get_default_base_job_template()
-        client.create_work_pool(WorkPoolCreate(name=POOL, type="process", base_job_template=template))
-        client.create_concurrency_limit(tag=TRAINING_TAG, concurrency_limit=workers)
+    from flows.worker_setup import ensure_pool_and_limit
+
+    ensure_pool_and_limit(POOL, training_slots=workers)  # As a stack's worker makes them, on this new server.
     # Code from this checkout (loaded from its entry point: the flows import this module, not the reverse); the
     # pull step sets the working directory to the repository root.
     for entrypoint, name, description in DEPLOYMENTS:

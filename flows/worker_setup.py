@@ -28,7 +28,7 @@ APP_DIR = Path(__file__).resolve().parents[1]  # The image's /app, or a checkout
 sys.path.insert(0, str(APP_DIR))  # This checkout first, installed or not.
 CODE_DIRECTORIES = ("cifar", "tasks", "flows")
 DEPLOYED_VARIABLE = "cifar_deployed_code"
-TRAINING_TAG = "training"
+TRAINING_TAG = "training"  # tasks/training.py's tag: its limit is how many trainings run at once.
 
 
 def code_digest(root: Path = APP_DIR, pool: str = "") -> str:
@@ -48,8 +48,9 @@ def declared_deployments(root: Path = APP_DIR) -> set[str]:
     return {entry["name"] for entry in yaml.safe_load((root / "prefect.yaml").read_text())["deployments"]}
 
 
-def ensure_pool_and_limit(pool: str) -> list[str]:
-    """The work pool and the `training` limit, each made when missing; what was made."""
+def ensure_pool_and_limit(pool: str, training_slots: int = 1) -> list[str]:
+    """The process work pool and the `training` limit (`training_slots` trainings at once), each made when
+    missing; what was made."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
@@ -69,8 +70,8 @@ def ensure_pool_and_limit(pool: str) -> list[str]:
         try:
             client.read_concurrency_limit_by_tag(TRAINING_TAG)
         except ObjectNotFound:
-            client.create_concurrency_limit(tag=TRAINING_TAG, concurrency_limit=1)
-            made.append(f"concurrency limit {TRAINING_TAG}=1")
+            client.create_concurrency_limit(tag=TRAINING_TAG, concurrency_limit=training_slots)
+            made.append(f"concurrency limit {TRAINING_TAG}={training_slots}")
     return made
 
 
