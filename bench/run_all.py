@@ -27,6 +27,7 @@ SCRIPTS = (
     "input_pipeline",
     "serving",
     "orchestration",
+    "startup",
     "search",
     "model_card",
 )

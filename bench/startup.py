@@ -1,0 +1,102 @@
+"""Process start-up: what importing TensorFlow costs each process, as shipped and with Keras's unused imports refused.
+
+    .venv/bin/python bench/startup.py --write-docs
+
+Every pipeline, flow run, worker and search trial is a fresh process that imports TensorFlow. Keras imports
+scikit-learn and matplotlib.pyplot for features no stage uses; `import cifar` refuses those two to Keras
+(cifar/_keras_imports.py). The variants run interleaved, each in a fresh interpreter:
+  - baseline: `import tensorflow` (the finder not installed: Keras imports as shipped);
+  - ours:     `import cifar, tensorflow` (the finder installed first, as in every process of ours);
+  - empty:    `pass` (the interpreter alone).
+CPU seconds are user + system time of the child (getrusage), less sensitive than wall time to other load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+SECTION = "## Process start-up"
+VARIANTS = {"baseline": "import tensorflow", "ours": "import cifar, tensorflow", "empty": "pass"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=7, help="Fresh processes per variant (interleaved).")
+    parser.add_argument("--write-docs", action="store_true", help=f"Replace docs/BENCHMARKS.md's {SECTION!r}.")
+    parser.add_argument("--note", default=None, help="A note on the machine's state, printed with the figures.")
+    return parser.parse_args(argv)
+
+
+def timed(code: str) -> tuple[float, float]:
+    """Wall and CPU seconds of a fresh interpreter running `code` (imports as a pipeline process makes them)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    subprocess.run([sys.executable, "-c", code], cwd=common.REPO_ROOT, env=env, check=True, capture_output=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def measure(repeats: int) -> dict[str, dict[str, list[float]]]:
+    results = {name: {"wall": [], "cpu": []} for name in VARIANTS}
+    for repeat in range(repeats):
+        order = list(VARIANTS) if repeat % 2 == 0 else list(reversed(VARIANTS))  # Drift hits both alike.
+        for name in order:
+            wall, cpu = timed(VARIANTS[name])
+            results[name]["wall"].append(wall)
+            results[name]["cpu"].append(cpu)
+        print(f"round {repeat + 1}/{repeats}: " + ", ".join(f"{n} {results[n]['cpu'][-1]:.2f} CPU-s" for n in order))
+    return results
+
+
+def table(results: dict[str, dict[str, list[float]]]) -> str:
+    empty_cpu = common.median(results["empty"]["cpu"])
+    base_cpu = common.median(results["baseline"]["cpu"]) - empty_cpu
+    rows = [
+        "| variant | code | median wall s | median CPU s | CPU s beyond the interpreter | vs baseline |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, code in VARIANTS.items():
+        cpu, wall = common.median(results[name]["cpu"]), common.median(results[name]["wall"])
+        beyond = cpu - empty_cpu
+        ratio = "-" if name == "empty" else f"{beyond / base_cpu:.2f}x"
+        rows.append(f"| {name} | `{code}` | {wall:.2f} | {cpu:.2f} | {beyond:.2f} | {ratio} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    load_at_start = common.load_average()
+    results = measure(args.repeats)
+    text = table(results)
+    print(text)
+    if args.write_docs:
+        machine = common.machine_description(load_at_start)
+        note = f" Note: {args.note}." if args.note else ""
+        body = (
+            "What importing TensorFlow costs every fresh process of ours (pipelines, flow runs, "
+            "workers, search trials): as shipped, Keras also imports scikit-learn (with scipy.stats) and "
+            "matplotlib.pyplot for its sklearn wrappers and image galleries, which no stage uses; `import cifar` "
+            "refuses those two imports to Keras alone (cifar/_keras_imports.py). Each variant is a fresh "
+            f"interpreter, {args.repeats} of each interleaved (order alternated); CPU s is user + system time "
+            "(getrusage).\n\n"
+            f"Command: `{common.command_line('startup.py', argv)}`\n\n"
+            f"Machine: {machine}.{note}\n\n{text}\n"
+        )
+        common.write_section(SECTION, body)
+        print(f"wrote {common.DOCS_PATH}")
+
+
+if __name__ == "__main__":
+    main()
