@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
-from scipy.stats import binomtest
 
 from cifar.config import ExportConfig
 
@@ -72,6 +71,10 @@ def mcnemar_exact(challenger_only: int, champion_only: int) -> float:
 
     A binomial test on the images where the two models disagree: under "equally good", each is a coin flip.
     """
+    # Imported here: scipy.stats takes about half a second to import, and most processes that import this
+    # module (through cifar.registry: search trials, workers, the command-line tools) never judge a challenger.
+    from scipy.stats import binomtest
+
     discordant = challenger_only + champion_only
     if discordant == 0:
         return 1.0
