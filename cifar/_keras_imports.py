@@ -3,10 +3,10 @@
 `import tensorflow` imports Keras, and Keras imports scikit-learn (with scipy.stats) for its
 `keras.wrappers.SKLearn*` classes and `matplotlib.pyplot` for `keras.visualization`, whenever they are
 installed. MLflow installs both. Nothing here uses those Keras features, yet every process that imports
-TensorFlow paid for them: 4.7 against 3.2 CPU-s for `import tensorflow` on an AMD EPYC Zen 5 (2026-11-28),
-in each of the ~60 processes a test run starts (pipelines, flow runs, workers) and in every worker of the
-stack. Keras wraps both imports in `try/except ImportError` and only those features then say that the
-package is missing.
+TensorFlow paid for them: `import tensorflow` takes 3.9 CPU-s as shipped, 2.9 with them refused (0.74x;
+bench/startup.py on AMD EPYC family 26 model 2, 2026-11-28), in each of the ~60 processes a test run starts
+(pipelines, flow runs, workers) and in every worker of the stack. Keras wraps both imports in
+`try/except ImportError`; only those features then say that the package is missing.
 
 The refusal is narrow: only an import made directly by a module of `keras.src.wrappers` or
 `keras.src.visualization`, and only while the package is not imported yet. Anyone else (our plots, Optuna,
