@@ -5,10 +5,11 @@ codes, and the CPU seconds `hey` itself took (it shares the cores with the serve
 from __future__ import annotations
 
 import re
-import resource
 import shutil
 import subprocess
 from dataclasses import dataclass
+
+import common  # bench/ is on sys.path wherever this module is imported (bench/serving.py).
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,9 @@ def run_hey(url: str, body_path: str, content_type: str, clients: int, seconds: 
                "-D", body_path, "-t", "60"]  # fmt: skip
     if auth:
         command += ["-a", auth]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = common.children_cpu_seconds()
     output = subprocess.run([*command, url], capture_output=True, text=True, check=True, timeout=seconds + 120).stdout
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cpu = common.children_cpu_seconds() - before
     return parse(output, clients, seconds, cpu)
 
 

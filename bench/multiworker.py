@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -49,7 +48,7 @@ def measure(workers: int, data_dir: str, overrides: dict) -> tuple[list[float], 
     all the processes used (start-up and validation included: every worker validates too)."""
     workdir = tempfile.mkdtemp(prefix=f"cifar-bench-workers{workers}-")
     addresses = [f"{HOST}:{free_port()}" for _ in range(workers)]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = common.children_cpu_seconds()
     processes = []
     for index in range(workers):
         environment = dict(os.environ)
@@ -60,8 +59,7 @@ def measure(workers: int, data_dir: str, overrides: dict) -> tuple[list[float], 
         processes.append(subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL))
     if any(process.wait() != 0 for process in processes):
         raise SystemExit(f"a training process of the {workers}-worker run failed")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    cpu = common.children_cpu_seconds() - before
     history = json.loads(next(Path(workdir, "runs").glob("*/history.json")).read_text())
     return history["examples_per_second"][1:], cpu
 

@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -139,19 +138,14 @@ def direct_child(args) -> None:
 CPU_SECONDS: list[float] = []  # CPU seconds (user + system) of each command, its waited-for children included.
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run(command: list[str], env: dict[str, str], log: Path) -> tuple[float, str]:
     """Wall seconds of a command run from the repository root; its output goes to `log` and is returned."""
-    start, cpu = time.perf_counter(), _children_cpu()
+    start, cpu = time.perf_counter(), common.children_cpu_seconds()
     result = subprocess.run(
         command, cwd=common.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900
     )
     elapsed = time.perf_counter() - start
-    CPU_SECONDS.append(_children_cpu() - cpu)
+    CPU_SECONDS.append(common.children_cpu_seconds() - cpu)
     log.write_text(result.stdout)
     if result.returncode != 0:
         raise RuntimeError(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -39,13 +38,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def timed(code: str) -> tuple[float, float]:
     """Wall and CPU seconds of a fresh interpreter running `code` (imports as a pipeline process makes them)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    started = time.perf_counter()
+    before, started = common.children_cpu_seconds(), time.perf_counter()
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     subprocess.run([sys.executable, "-c", code], cwd=common.REPO_ROOT, env=env, check=True, capture_output=True)
-    wall = time.perf_counter() - started
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return time.perf_counter() - started, common.children_cpu_seconds() - before
 
 
 def measure(repeats: int) -> dict[str, dict[str, list[float]]]:
