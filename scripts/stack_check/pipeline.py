@@ -18,7 +18,7 @@ def check_smoke_run(context: Context, row: Row) -> None:
     stack = context.stack
     parameters = {"config": {"preset": "smoke", "data": archive_parameters(context.settings.archive)}}
     started = time.monotonic()
-    flow_run_id = stack.deployment_run("cifar/smoke", parameters, watch=True)
+    flow_run_id = stack.deployment_run("cifar/smoke", parameters, watch=True, command_line=True)
     run = stack.wait_flow_run(flow_run_id, {"COMPLETED"}, timeout=120)
     values = stack.read_json("worker", f"{WORKDIR}/summary.json")
     summary = PipelineSummary.model_validate(values) if values else None
