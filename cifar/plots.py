@@ -96,18 +96,31 @@ def misclassified_grid_png(
         raise ValueError(f"got {count} images, {len(labels)} labels and {len(predictions)} predictions")
     columns = max(1, math.ceil(math.sqrt(count)))
     rows = max(1, math.ceil(count / columns))
-    figure = Figure(figsize=(1.6 * columns, 1.8 * rows + 0.4))
-    figure.suptitle(title)
     if count == 0:
+        figure = Figure(figsize=(4, 1.5))
+        figure.suptitle(title)
         axes = figure.add_subplot()
         axes.text(0.5, 0.5, "no misclassified images", ha="center", va="center")
         axes.axis("off")
         return figure_png(figure)
+    # One mosaic on one set of axes: an axes per image (36 by default) made this figure 1.2 of evaluation's
+    # 2.0 CPU-s for the tests' tiny model; the mosaic draws the same picture in a quarter of that.
+    height, width = images.shape[1:3]
+    gap, caption = width // 4, height // 4  # Pixels between images, and above each for its two-line title.
+    cell_height, cell_width = caption + height + gap, width + gap
+    mosaic = np.full((rows * cell_height, columns * cell_width, 3), 255, dtype=np.uint8)
+    inches = 1.6 / cell_width  # Per mosaic pixel: each image 1.6 inches apart, as in a grid of axes.
+    figure = Figure(figsize=(mosaic.shape[1] * inches, mosaic.shape[0] * inches + 0.5))
+    figure.suptitle(title)
+    axes = figure.add_axes((0, 0, 1, mosaic.shape[0] * inches / (mosaic.shape[0] * inches + 0.5)))
+    axes.axis("off")
     for position, (image, label, prediction) in enumerate(zip(images, labels, predictions)):
-        axes = figure.add_subplot(rows, columns, position + 1)
-        axes.imshow(image, interpolation="nearest")
-        axes.set_title(f"{class_names[int(label)]}\n/ {class_names[int(prediction)]}", fontsize=7)
-        axes.axis("off")
+        row, column = divmod(position, columns)
+        top, left = row * cell_height + caption, column * cell_width + gap // 2
+        mosaic[top : top + height, left : left + width] = image
+        axes.text(left + width / 2, top - 1, f"{class_names[int(label)]}\n/ {class_names[int(prediction)]}",
+                  ha="center", va="bottom", fontsize=7)  # fmt: skip
+    axes.imshow(mosaic, interpolation="nearest")
     return figure_png(figure)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import TEST_EXAMPLES
 
-from cifar import calibration, trust
+from cifar import calibration, plots, trust
 from cifar.checkpoints import CheckpointEntry, CheckpointIndex, checkpoint_file_names, write_index
 from cifar.config import DataConfig, make_config
 from cifar.data.manifest import load_manifest
@@ -208,3 +209,19 @@ def test_center_crop_matches_tensorflow_and_rejects_oversized_crops():
     np.testing.assert_array_equal(center_crop(images, 24), expected)
     with pytest.raises(ValueError):
         center_crop(images, 40)
+
+
+def test_the_misclassified_grid_shows_each_image_apart_or_says_there_is_none():
+    from PIL import Image
+    from scipy import ndimage
+
+    images = np.zeros((5, 32, 32, 3), np.uint8)
+    images[..., 0] = 255  # Red squares on white: each must come out whole and apart from the others.
+    png = plots.misclassified_grid_png(images, [0] * 5, [1] * 5, CLASS_NAMES)
+    pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+    red = (pixels[..., 0] > 200) & (pixels[..., 1] < 60) & (pixels[..., 2] < 60)
+    regions, count = ndimage.label(red)
+    assert count == 5 and all(size > 32 * 32 for size in np.bincount(regions.ravel())[1:])
+    assert plots.misclassified_grid_png(images[:0], [], [], CLASS_NAMES)[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="got 5 images, 4 labels"):
+        plots.misclassified_grid_png(images, [0] * 4, [1] * 5, CLASS_NAMES)
