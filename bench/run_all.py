@@ -28,6 +28,7 @@ SCRIPTS = (
     "serving",
     "orchestration",
     "startup",
+    "setup_install",
     "search",
     "model_card",
 )
