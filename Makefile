@@ -24,14 +24,14 @@ QUIET := $(if $(filter 1,$(CIFAR_VERBOSE)),,TF_CPP_MIN_LOG_LEVEL=2 MLFLOW_DISABL
 
 setup: $(VENV)/.installed
 
-# Install the project and its pinned, known-good dependency set (constraints.txt) into a venv. uv installs the
-# same pins as pip, from its cache in half pip's time (CI starts with this; on AMD EPYC family 26: 27 s against
-# 54 s), and compiles the bytecode every process needs where PYTHONDONTWRITEBYTECODE keeps Python from saving
-# it. pip does it all when uv cannot (say, a package only in a wheelhouse that pip.conf names).
-UV_VERSION ?= 0.13.9
+# Install the project and its pinned, known-good dependency set (constraints.txt) into a venv. uv (pinned there
+# too) installs the same pins as pip, from its cache in less than half pip's time (CI starts with this; on AMD
+# EPYC family 26: 24 s against 54 s, bench/setup_install.py), and compiles the bytecode every process needs
+# where PYTHONDONTWRITEBYTECODE keeps Python from saving it. pip does it all when uv cannot (say, a package
+# only in a wheelhouse that pip.conf names).
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet uv==$(UV_VERSION) && $(VENV)/bin/uv pip install --quiet --python $(PY) --native-tls \
+	$(PY) -m pip install --quiet -c constraints.txt uv && $(VENV)/bin/uv pip install --quiet --python $(PY) --native-tls \
 		--compile-bytecode -c constraints.txt -e '.[dev,postgres]' || { echo "setup: uv failed, pip installs instead"; \
 		$(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet -c constraints.txt -e '.[dev,postgres]'; }
 	touch $@

@@ -8,7 +8,7 @@ its time adds to CI's whole. Both variants install the same pins (constraints.tx
 (pip's and uv's), interleaved:
   - baseline: `python -m venv`, `pip install --upgrade pip`, `pip install -c constraints.txt -e '.[dev,postgres]'`
     (the Makefile's recipe before; pip compiles the bytecode as it installs);
-  - ours:     `make setup VENV=...` (uv, pinned in the Makefile, with `--compile-bytecode`).
+  - ours:     `make setup VENV=...` (uv, pinned in constraints.txt, with `--compile-bytecode`).
 Each venv is checked to hold the same packages (`pip freeze`, uv itself aside) and then deleted.
 """
 
