@@ -26,7 +26,7 @@ setup: $(VENV)/.installed
 
 # Install the project and its pinned, known-good dependency set (constraints.txt) into a venv. uv (pinned there
 # too) installs the same pins as pip, from its cache in less than half pip's time (CI starts with this; on AMD
-# EPYC family 26: 24 s against 54 s, bench/setup_install.py), and compiles the bytecode every process needs
+# EPYC family 26: 32 s against 79 s, bench/setup_install.py), and compiles the bytecode every process needs
 # where PYTHONDONTWRITEBYTECODE keeps Python from saving it. pip does it all when uv cannot (say, a package
 # only in a wheelhouse that pip.conf names).
 $(VENV)/.installed: pyproject.toml constraints.txt
