@@ -171,7 +171,7 @@ class Stack:
     def pause_nightly(self) -> None:
         """Pauses the nightly schedule (a full training at 02:00 UTC would compete with the checks)."""
         with contextlib.suppress(StepError):
-            deployment = self.prefect("GET", "/deployments/name/cifar/nightly")
+            deployment = self.deployment("cifar/nightly")
             if not deployment.get("paused"):
                 self.prefect("PATCH", f"/deployments/{deployment['id']}", {"paused": True})
 
@@ -189,6 +189,10 @@ class Stack:
     def mlflow(self, path: str, *, account: str = "mlflow-admin", **query: str) -> Any:
         url = f"{self.mlflow_url}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(query)}"
         return self.http("GET", url, auth=self.credentials(account))
+
+    def deployment(self, name: str) -> dict[str, Any]:
+        """The deployment `flow/deployment` as Prefect's API describes it."""
+        return self.prefect("GET", f"/deployments/name/{name}")
 
     def flow_run(self, flow_run_id: str) -> dict[str, Any]:
         return self.prefect("GET", f"/flow_runs/{flow_run_id}")
@@ -232,7 +236,7 @@ class Stack:
         `prefect deployment run` inside worker container `index`: one drill proves the command, the others spare
         a Prefect process each (~3 CPU-s in a container, 9 of them a check)."""
         if not command_line:
-            deployment_id = self.prefect("GET", f"/deployments/name/{deployment}")["id"]
+            deployment_id = self.deployment(deployment)["id"]
             created = self.prefect("POST", f"/deployments/{deployment_id}/create_flow_run", {"parameters": parameters})
             if watch:
                 self.wait_flow_run(created["id"], FINAL_STATES, timeout)
