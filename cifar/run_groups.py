@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from matplotlib.figure import Figure
-
-from cifar.plots import figure_png
+from cifar.plots import figure_png, new_figure
 from cifar.tracking import NOTE_TAG, ensure_experiment, finite_metrics, mlflow_client
 
 PARENT_TAG = "mlflow.parentRunId"  # The tag the MLflow UI nests child runs under.
@@ -112,7 +110,7 @@ def _chart(labels: Sequence[str], values: Sequence[float], metric: str):
     import numpy as np
     from PIL import Image
 
-    figure = Figure(figsize=(7, 0.5 * len(labels) + 1.2))
+    figure = new_figure(figsize=(7, 0.5 * len(labels) + 1.2))
     axes = figure.add_subplot()
     percents = [100 * value for value in values]
     bars = axes.barh(labels, percents, color="#3b75af")

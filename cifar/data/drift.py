@@ -11,7 +11,6 @@ from collections.abc import Mapping
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
-from scipy.spatial.distance import jensenshannon
 
 from cifar.data.manifest import NUM_CLASSES
 
@@ -102,6 +101,9 @@ def js_divergence(counts: list[int] | np.ndarray, reference: list[int] | np.ndar
     p, q = np.asarray(counts, np.float64), np.asarray(reference, np.float64)
     if p.sum() == 0 or q.sum() == 0:
         return float("nan")
+    # Imported here: scipy.spatial costs ~0.15 s in every process that imports the flows, and few compare.
+    from scipy.spatial.distance import jensenshannon
+
     # scipy returns the distance, the square root of the divergence.
     return float(jensenshannon(p, q, base=2) ** 2)
 
