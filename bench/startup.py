@@ -1,4 +1,5 @@
-"""Process start-up: what importing TensorFlow costs each process, as shipped and with Keras's unused imports refused.
+"""Process start-up: what importing TensorFlow costs each process, as shipped and with Keras's unused imports refused;
+and what importing the flows costs a process that never draws nor compares histograms.
 
     .venv/bin/python bench/startup.py --write-docs
 
@@ -7,7 +8,11 @@ scikit-learn and matplotlib.pyplot for features no stage uses; `import cifar` re
 (cifar/_keras_imports.py). The variants run interleaved, each in a fresh interpreter:
   - baseline: `import tensorflow` (the finder not installed: Keras imports as shipped);
   - ours:     `import cifar, tensorflow` (the finder installed first, as in every process of ours);
-  - empty:    `pass` (the interpreter alone).
+  - empty:    `pass` (the interpreter alone);
+  - flows-baseline: `import flows.pipeline` after matplotlib's Agg canvas and scipy.spatial, which the flows
+    imported with cifar.plots and cifar.data.drift until they were imported where they are used;
+  - flows:    `import flows.pipeline` (what every flow run, `prefect deploy`, `flows/promote.py`, a dry run
+    and a resumed run import before their first stage).
 CPU seconds are user + system time of the child (getrusage), less sensitive than wall time to other load.
 """
 
@@ -25,7 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 SECTION = "## Process start-up"
-VARIANTS = {"baseline": "import tensorflow", "ours": "import cifar, tensorflow", "empty": "pass"}
+FLOWS_BEFORE = "import matplotlib.figure, matplotlib.backends.backend_agg, scipy.spatial.distance; "
+VARIANTS = {
+    "baseline": "import tensorflow",
+    "ours": "import cifar, tensorflow",
+    "empty": "pass",
+    "flows-baseline": FLOWS_BEFORE + "import flows.pipeline",
+    "flows": "import flows.pipeline",
+}
+BASELINE_OF = {"ours": "baseline", "flows": "flows-baseline", "flows-baseline": "flows-baseline"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,15 +71,15 @@ def measure(repeats: int) -> dict[str, dict[str, list[float]]]:
 
 def table(results: dict[str, dict[str, list[float]]]) -> str:
     empty_cpu = common.median(results["empty"]["cpu"])
-    base_cpu = common.median(results["baseline"]["cpu"]) - empty_cpu
     rows = [
-        "| variant | code | median wall s | median CPU s | CPU s beyond the interpreter | vs baseline |",
+        "| variant | code | median wall s | median CPU s | CPU s beyond the interpreter | vs its baseline |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for name, code in VARIANTS.items():
         cpu, wall = common.median(results[name]["cpu"]), common.median(results[name]["wall"])
         beyond = cpu - empty_cpu
-        ratio = "-" if name == "empty" else f"{beyond / base_cpu:.2f}x"
+        baseline = BASELINE_OF.get(name, "baseline")
+        ratio = "-" if name == "empty" else f"{beyond / (common.median(results[baseline]['cpu']) - empty_cpu):.2f}x"
         rows.append(f"| {name} | `{code}` | {wall:.2f} | {cpu:.2f} | {beyond:.2f} | {ratio} |")
     return "\n".join(rows)
 
@@ -84,7 +97,11 @@ def main(argv: list[str] | None = None) -> None:
             "What importing TensorFlow costs every fresh process of ours (pipelines, flow runs, "
             "workers, search trials): as shipped, Keras also imports scikit-learn (with scipy.stats) and "
             "matplotlib.pyplot for its sklearn wrappers and image galleries, which no stage uses; `import cifar` "
-            "refuses those two imports to Keras alone (cifar/_keras_imports.py). Each variant is a fresh "
+            "refuses those two imports to Keras alone (cifar/_keras_imports.py). Below them, importing the flows, "
+            "which every flow run, `prefect deploy`, `flows/promote.py`, a dry run and a resumed run do before "
+            "their first stage: `flows` imports matplotlib and scipy.spatial only where a figure is drawn or "
+            "histograms compared; `flows-baseline` imports them first, as the flows' imports did before. Each "
+            "variant is a fresh "
             f"interpreter, {args.repeats} of each interleaved (order alternated); CPU s is user + system time "
             "(getrusage).\n\n"
             f"Command: `{common.command_line('startup.py', argv)}`\n\n"
