@@ -136,6 +136,23 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
     return shlex.join(["python", f"bench/{script}", *(argv if argv is not None else sys.argv[1:])])
 
 
+def write_measured_section(
+    heading: str,
+    description: str,
+    script: str,
+    argv: Sequence[str] | None,
+    load_at_start: str,
+    note: str | None,
+    table: str,
+) -> None:
+    """Writes a bench's section: what it measures, the command that repeats it, the machine, then its table."""
+    noted = f" Note: {note}." if note else ""
+    machine = machine_description(load_at_start)
+    body = f"{description}\n\nCommand: `{command_line(script, argv)}`\n\nMachine: {machine}.{noted}\n\n{table}\n"
+    write_section(heading, body)
+    print(f"wrote {DOCS_PATH}")
+
+
 SUPERSEDED_HEADING = "## Pilots and superseded sittings"  # docs/BENCHMARKS.md's last section.
 
 

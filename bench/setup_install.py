@@ -94,17 +94,12 @@ def main(argv: list[str] | None = None) -> None:
     text = table(results, same)
     print(text)
     if args.write_docs:
-        machine = common.machine_description(load_at_start)
-        note = f" Note: {args.note}." if args.note else ""
-        body = (
+        description = (
             "`make setup` on a clean clone, which CI runs before anything else: a new venv with the pinned set "
             f"and the project (`{PACKAGES}`), from warm caches, the Makefile's recipe before (pip) against "
-            f"today's (uv, pip where uv fails); {args.repeats} new venvs of each, interleaved.\n\n"
-            f"Command: `{common.command_line('setup_install.py', argv)}`\n\n"
-            f"Machine: {machine}.{note}\n\n{text}\n"
+            f"today's (uv, pip where uv fails); {args.repeats} new venvs of each, interleaved."
         )
-        common.write_section(SECTION, body)
-        print(f"wrote {common.DOCS_PATH}")
+        common.write_measured_section(SECTION, description, "setup_install.py", argv, load_at_start, args.note, text)
 
 
 if __name__ == "__main__":

@@ -91,9 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     text = table(results)
     print(text)
     if args.write_docs:
-        machine = common.machine_description(load_at_start)
-        note = f" Note: {args.note}." if args.note else ""
-        body = (
+        description = (
             "What importing TensorFlow costs every fresh process of ours (pipelines, flow runs, "
             "workers, search trials): as shipped, Keras also imports scikit-learn (with scipy.stats) and "
             "matplotlib.pyplot for its sklearn wrappers and image galleries, which no stage uses; `import cifar` "
@@ -103,12 +101,9 @@ def main(argv: list[str] | None = None) -> None:
             "histograms compared; `flows-baseline` imports them first, as the flows' imports did before. Each "
             "variant is a fresh "
             f"interpreter, {args.repeats} of each interleaved (order alternated); CPU s is user + system time "
-            "(getrusage).\n\n"
-            f"Command: `{common.command_line('startup.py', argv)}`\n\n"
-            f"Machine: {machine}.{note}\n\n{text}\n"
+            "(getrusage)."
         )
-        common.write_section(SECTION, body)
-        print(f"wrote {common.DOCS_PATH}")
+        common.write_measured_section(SECTION, description, "startup.py", argv, load_at_start, args.note, text)
 
 
 if __name__ == "__main__":

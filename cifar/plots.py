@@ -35,10 +35,7 @@ def new_figure(**figure_options) -> Figure:
 
 
 def figure_png(figure: Figure, dpi: int = 100) -> bytes:
-    """Renders a figure to PNG bytes."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(figure)
+    """Renders a figure made by `new_figure` (its Agg canvas attached) to PNG bytes."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
     return buffer.getvalue()
