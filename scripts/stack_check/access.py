@@ -36,19 +36,32 @@ def status(stack: Stack, method: str, url: str, auth: tuple[str, str] | None, bo
     return stack.client.request(method, url, auth=auth, json=body if method == "POST" else None).status_code
 
 
-def prefect_websocket_refuses(stack: Stack, token: str | None) -> str:
-    """How the Prefect event stream's websocket, through the proxy, answers an auth message with `token`."""
+def prefect_websocket_refuses(stack: Stack, token: str | None, attempts: int = 3) -> str:
+    """How the Prefect event stream's websocket, through the proxy, answers an auth message with `token`.
+
+    A handshake the server leaves unanswered (seen once in CI, with pytest beside the stack, and reported
+    against Prefect: PrefectHQ/prefect#19902) is neither a refusal nor an acceptance: that attempt is
+    made again on a fresh connection, and the answer says how many it took. Only a close (1008) or an
+    HTTP refusal passes; an accepted token fails at once."""
     url = stack.prefect_url.replace("https://", "wss://") + "/events/out"
     context = ssl.create_default_context(cafile=str(stack.ca_file))
-    try:
-        with connect(url, ssl=context, subprotocols=["prefect"], open_timeout=30) as socket:
-            socket.send(json.dumps({"type": "auth", "token": token}))
-            answer = socket.recv(timeout=30)
-    except ConnectionClosed as closed:
-        return f"closed {closed.rcvd.code if closed.rcvd else '?'} ({closed.rcvd.reason if closed.rcvd else ''})"
-    except InvalidStatus as refused:
-        return f"HTTP {refused.response.status_code}"
-    raise StepError(f"the event stream accepted token {'(none)' if token is None else '(wrong)'}: {answer[:100]}")
+    for attempt in range(1, attempts + 1):
+        retried = f" (attempt {attempt}: the handshake went unanswered before)" if attempt > 1 else ""
+        try:
+            with connect(url, ssl=context, subprotocols=["prefect"], open_timeout=20) as socket:
+                socket.send(json.dumps({"type": "auth", "token": token}))
+                answer = socket.recv(timeout=30)
+        except ConnectionClosed as closed:
+            code, reason = (closed.rcvd.code, closed.rcvd.reason) if closed.rcvd else ("?", "")
+            return f"closed {code} ({reason}){retried}"
+        except InvalidStatus as refused:
+            return f"HTTP {refused.response.status_code}{retried}"
+        except TimeoutError:
+            if attempt == attempts:
+                raise StepError(f"the event stream left {attempts} websocket handshakes unanswered") from None
+            continue
+        raise StepError(f"the event stream accepted token {'(none)' if token is None else '(wrong)'}: {answer[:100]}")
+    raise AssertionError("unreachable")
 
 
 def check_sign_in(context: Context, row: Row) -> None:
