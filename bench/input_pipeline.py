@@ -140,7 +140,13 @@ def build_training_model(model_name: str, data_dir: Path, batch_size: int):
     performance = configure_performance(config.train, 0)
     manifest = load_manifest(data_dir)
     keras.utils.set_random_seed(0)
-    model = build_model(model_name, mean=manifest.mean, std=manifest.std, fused_batchnorm=config.train.fused_batchnorm)
+    model = build_model(
+        model_name,
+        mean=manifest.mean,
+        std=manifest.std,
+        fused_batchnorm=performance["fused_batchnorm"] == "true",  # As the pipeline builds it (cifar.train).
+        fused_gelu=performance["fused_gelu"] == "true",
+    )
     add_weight_decay(model, config.train.weight_decay)
     compile_model(
         model,

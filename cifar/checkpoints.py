@@ -285,3 +285,27 @@ def load_eval_model(checkpoint_dir: str | Path, entry: CheckpointEntry):
     model = keras.models.load_model(checkpoint_dir / entry.model_path, compile=False)
     model.load_weights(checkpoint_dir / entry.eval_weights_path)
     return model
+
+
+def saved_kernels(checkpoint: str | Path) -> dict[str, bool]:
+    """{"batchnorm": fused?, "gelu": fused?} of the model saved in a .keras checkpoint (a layer it lacks: absent).
+
+    A resumed run must build the kinds it saved: Keras finds saved weights by layer class, so a checkpoint of
+    Keras's BatchNormalization does not load into FusedBatchNormalization layers (a ValueError), nor back.
+    """
+    import json
+    import zipfile
+
+    with zipfile.ZipFile(checkpoint) as archive:
+        config = json.loads(archive.read("config.json"))
+    layers = config.get("config", {}).get("layers", [])
+    classes = {layer.get("class_name") for layer in layers}
+    activations = {
+        layer.get("config", {}).get("activation") for layer in layers if layer.get("class_name") == "Activation"
+    }
+    kinds = {}
+    if "FusedBatchNormalization" in classes or "BatchNormalization" in classes:
+        kinds["batchnorm"] = "FusedBatchNormalization" in classes
+    if "Gelu" in classes or "gelu" in activations:
+        kinds["gelu"] = "Gelu" in classes
+    return kinds

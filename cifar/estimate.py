@@ -155,7 +155,8 @@ def estimate_training(
         )
     from cifar.performance import MEASURE_BATCH_SIZE, measure_images_per_second
 
-    timed = performance.get(f"precision_{precision}_images_per_second")  # The precision choice's timing.
+    # The kernel choice's timing of the variant chosen, else the precision choice's (cifar.performance).
+    timed = performance.get("kernels_images_per_second") or performance.get(f"precision_{precision}_images_per_second")
     if timed is None and images >= MIN_IMAGES_TO_TIME and num_workers == 1:  # A worker of a job never waits for it.
         logger.info("Timing a few training steps of %s in %s for the estimate", train.model, precision)
         policy = keras.mixed_precision.global_policy()
@@ -167,8 +168,11 @@ def estimate_training(
         reason = f"shorter than {MIN_IMAGES_TO_TIME:,} images" if images < MIN_IMAGES_TO_TIME else "a multi-worker job"
         source = f"not timed: {reason}; the next run here remembers this one's speed"
         return TrainingEstimate(images_per_second=None, source=source, **base)
+    keras_layers = [name for key, name in (("fused_batchnorm", "batch norm"), ("fused_gelu", "GELU"))
+                    if performance.get(key) == "false"]  # fmt: skip
+    kernels = f" with Keras's {' and '.join(keras_layers)}" if keras_layers else ""
     source = (
-        f"timed: {float(timed):,.0f} images/s for {train.model} alone in {precision} at batch "
+        f"timed: {float(timed):,.0f} images/s for {train.model} alone in {precision}{kernels} at batch "
         f"{min(train.batch_size, MEASURE_BATCH_SIZE)}, x{PIPELINE_SHARE} for the pipeline; a rough first figure, "
         "the next run here remembers this one's speed"
     )

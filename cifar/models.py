@@ -56,6 +56,12 @@ def logits_head(features: keras.KerasTensor, output_scale: float | None = None, 
     return logits
 
 
+def fused_layers(name: str) -> frozenset[str]:
+    """The layers of the named model that have a fused variant: "batchnorm" (ResNets, the fast net), "gelu" (fast)."""
+    family, _ = parse_model_name(name)
+    return frozenset({"resnet": {"batchnorm"}, "fast": {"batchnorm", "gelu"}}.get(family, ()))
+
+
 def batch_norm(fused: bool, *, momentum: float, epsilon: float, scale: bool = True, name: str) -> layers.Layer:
     """Batch normalization over channels: the fused-kernel layer or Keras's own, same numerics."""
     if fused:
@@ -300,6 +306,8 @@ def build_model(
     """
     if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
         raise ValueError(f"mean and std need 3 channels with std > 0, got mean={mean}, std={std}")
+    if not (isinstance(fused_batchnorm, bool) and isinstance(fused_gelu, bool)):  # "auto" is chosen before.
+        raise ValueError(f"fused_batchnorm and fused_gelu must be booleans, got {fused_batchnorm!r}, {fused_gelu!r}")
     family, depth = parse_model_name(name)
     if family == "resnet":
         return build_resnet(mean, std, depth=depth, fused_batchnorm=fused_batchnorm)

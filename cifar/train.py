@@ -32,7 +32,7 @@ from cifar.callbacks import (
     SaveOnSigterm,
     TrainingDivergedError,
 )
-from cifar.checkpoints import CheckpointIndex, RunDirectory, TrainingStart, history_rows, load_index
+from cifar.checkpoints import CheckpointIndex, RunDirectory, TrainingStart, history_rows, load_index, saved_kernels
 from cifar.config import PipelineConfig, resolve_workdir
 from cifar.data.manifest import Manifest, load_manifest
 from cifar.estimate import SpeedMemory, TrainingEstimate, announce_estimate
@@ -277,7 +277,11 @@ def _train(
     if rendezvous is not None:
         job, start = _join(job, rendezvous, index, start)
 
-    performance = configure_performance(job.train, len(job.plan.gpu_ids), num_workers=job.plan.num_workers)
+    # A resumed run builds the batch norm and GELU its checkpoint holds (cifar.checkpoints.saved_kernels).
+    saved = saved_kernels(start.checkpoint) if start.checkpoint is not None else None
+    performance = configure_performance(
+        job.train, len(job.plan.gpu_ids), num_workers=job.plan.num_workers, saved_kernels=saved
+    )
     # What is left, said before it starts (the chief's; None when nothing is left).
     estimate = announce_estimate(job.config, performance, job.steps_per_epoch, start.epoch, job.plan)
     keras.utils.set_random_seed(config.seed)
@@ -285,7 +289,7 @@ def _train(
         tf.config.experimental.enable_op_determinism()
     strategy = distribute.create_strategy(job.plan)
     history = run.read_history(start.epoch) if local else {}
-    model = _build_model(job, strategy, performance.get("jit_compile") == "true", start.checkpoint)
+    model = _build_model(job, strategy, performance, start.checkpoint)
     if not local and start.checkpoint is not None:
         shutil.rmtree(start.checkpoint.parent, ignore_errors=True)  # The fetched copy, loaded.
     if start.checkpoint is not None:
@@ -355,16 +359,17 @@ def _record_stop(job: TrainingJob, run_id: str | None, error: Exception) -> None
     job.run.write_state(job.key, run_id, job.tracking_uri, status)
 
 
-def _build_model(job: TrainingJob, strategy, jit_compile: bool, checkpoint: Path | None) -> keras.Model:
-    """The compiled model under the strategy, restored from `checkpoint` (weights + optimizer) if given."""
+def _build_model(job: TrainingJob, strategy, performance: dict[str, str], checkpoint: Path | None) -> keras.Model:
+    """The compiled model under the strategy, with the kernels and XLA choice `performance` resolved, restored from
+    `checkpoint` (weights + optimizer) if given."""
     train = job.train
     with strategy.scope():
         model = build_model(
             train.model,
             mean=job.manifest.mean,
             std=job.manifest.std,
-            fused_batchnorm=train.fused_batchnorm,
-            fused_gelu=train.fused_gelu,
+            fused_batchnorm=performance["fused_batchnorm"] == "true",
+            fused_gelu=performance["fused_gelu"] == "true",
         )
         if checkpoint is None and any(isinstance(layer, PatchWhitening) for layer in model.layers):
             # The fast net's frozen first conv whitens 2x2 patches; its filters come from the data
@@ -378,7 +383,7 @@ def _build_model(job: TrainingJob, strategy, jit_compile: bool, checkpoint: Path
             whitening_bias_multiplier=train.whitening_bias_learning_rate_multiplier,
             decay_filters=train.optimizer != "muon",
         )
-        compile_model(model, job.config, job.steps_per_epoch, jit_compile)
+        compile_model(model, job.config, job.steps_per_epoch, performance.get("jit_compile") == "true")
         if job.plan.cluster is not None:
             batch = train.batch_size // job.plan.num_replicas
             size = input_size(train.model)
@@ -451,6 +456,7 @@ def _open_tracking(
         params = {key: value for key, value in job.config.flat().items() if key != "tracking.run_name"}
         # What `train.precision: auto` resolved to on the machine that started the run (tags: each attempt's).
         params["performance.precision"] = performance["precision"]
+        params |= {f"performance.{key}": performance[key] for key in ("fused_batchnorm", "fused_gelu")}  # "auto"'s.
         if estimate is not None and estimate.seconds is not None:  # The first attempt's, beside what it took.
             params["estimated_training_minutes"] = round(estimate.seconds / 60, 1)
         tracking.log_params(uri, run_id, params)

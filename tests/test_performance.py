@@ -119,6 +119,8 @@ def test_onednn_enabled_reads_the_environment(monkeypatch, value, expected):
 def test_configure_performance_sets_the_policy_and_reports_strings(machine, monkeypatch):
     machine(cpu_bf16=True)
     monkeypatch.setattr(performance, "measure_images_per_second", BF16_FASTER)
+    kernels = lambda train, precision, layers: {"fused": 300.0, "keras_batchnorm": 200.0}  # noqa: E731
+    monkeypatch.setattr(performance, "measure_kernel_variants", kernels)
     settings = performance.configure_performance(TrainConfig(precision="auto", jit_compile="auto"), 0)
     assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
     assert settings["precision"] == "mixed_bfloat16"
@@ -126,6 +128,7 @@ def test_configure_performance_sets_the_policy_and_reports_strings(machine, monk
     assert settings["device"] == "cpu"
     assert settings["precision_mixed_bfloat16_images_per_second"] == "300.0"
     assert settings["precision_reason"] in ("measured", "remembered")
+    assert (settings["fused_batchnorm"], settings["kernels_reason"]) == ("true", "measured")  # Timed in bfloat16.
     assert all(isinstance(key, str) and isinstance(value, str) for key, value in settings.items())
 
     machine(cpu_bf16=False, gpus=[(7, 0)])
