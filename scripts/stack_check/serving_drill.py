@@ -1,7 +1,7 @@
 """The endpoint follows the champion under load, through the front door with credentials.
 
-Eight clients send a test photo one request after another while the alias moves (until 5 s after the last switch,
-about 30 s; the load has no other purpose than being there when it moves): to a new
+Eight clients send a test photo one request after another while the alias moves (until 3 s after the last switch,
+about 25 s; the load has no other purpose than being there when it moves): to a new
 version (a promotion), to a version whose files are damaged (refused, the running version keeps serving), then
 back (a rollback). Zero failed answers, every answer names its version, each client sees the versions in the
 order the alias took them, each switch within 60 s. Then an overload (more clients at once than the stack's
@@ -26,7 +26,7 @@ from scripts.stack_check.report import Row
 from scripts.stack_check.serving import first_test_images, wait_ready
 from scripts.stack_check.shell import StepError
 
-CLIENTS, OVERLOAD_CLIENTS, SETTLE_SECONDS, SWITCH_SECONDS = 8, 64, 5, 60
+CLIENTS, OVERLOAD_CLIENTS, SETTLE_SECONDS, SWITCH_SECONDS = 8, 64, 3, 60
 OVERLOAD_PHOTOS = 16  # Per request of the overload: one such request fills the drill's queue (DRILL_SERVE_SETTINGS).
 
 # Run in a worker container (its MLflow identity may register): a second version with the champion's files (to
