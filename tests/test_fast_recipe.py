@@ -272,6 +272,9 @@ def test_fast_preset_trains_the_fast_net_end_to_end(data_dir, tmp_path):
             "whitening_bias_epochs": 1,
             "deterministic": True,
             "shuffle_buffer": 1000,
+            # The recipe, not the kernel choice (tests/test_kernel_choice.py): no timing of three variants.
+            "fused_batchnorm": True,
+            "fused_gelu": True,
         },
         "tracking": {"system_metrics": False},
     }

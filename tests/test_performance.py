@@ -229,6 +229,11 @@ def test_measuring_times_the_model_in_both_precisions_and_restores_float32():
     assert set(speeds) == {"float32", "mixed_bfloat16"}
     assert all(speed > 0 for speed in speeds.values())
     assert keras.mixed_precision.global_policy().name == "float32"
+    # The kernel variants, timed the same way (in turns) in the precision asked.
+    speeds = performance.measure_kernel_variants(TrainConfig(model="resnet8", batch_size=16), "mixed_bfloat16",
+                                                 ["batchnorm"])  # fmt: skip
+    assert set(speeds) == {"fused", "keras_batchnorm"} and all(speed > 0 for speed in speeds.values())
+    assert keras.mixed_precision.global_policy().name == "float32"
 
 
 def test_the_profiler_trace_of_a_training_step_names_its_convolutions(tmp_path):

@@ -284,7 +284,10 @@ def test_validation_and_checkpoints_use_precise_batch_norm_statistics(data_dir, 
     from cifar.callbacks import batch_norm_recomputer
     from cifar.input_pipeline import make_eval_dataset
 
-    config = tiny_config(model="resnet8", epochs=1, steps_per_epoch=2, precise_bn_images=precise_bn_images)
+    # Precise statistics, not the kernel choice (tests/test_kernel_choice.py): nothing timed.
+    config = tiny_config(
+        model="resnet8", epochs=1, steps_per_epoch=2, precise_bn_images=precise_bn_images, fused_batchnorm=True
+    )
     result = train(config, data_dir, tmp_path)
     entry = load_index(result.checkpoint_dir).latest
     model = keras.models.load_model(Path(result.checkpoint_dir) / entry.model_path, compile=False)
