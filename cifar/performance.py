@@ -11,7 +11,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -225,7 +225,10 @@ def precision_cache_key(train: TrainConfig) -> str:
 def measured_cpu_precision(train: TrainConfig, measure: Callable[..., dict[str, float]]) -> PrecisionChoice:
     """float32 or mixed_bfloat16, whichever trains this model faster here: remembered, else measured now."""
     speeds, reason = _remembered_or_measured(
-        precision_cache_key(train), f"{train.model} in float32 and mixed_bfloat16", lambda: measure(train)
+        precision_cache_key(train),
+        f"{train.model} in float32 and mixed_bfloat16",
+        lambda: measure(train),
+        MEASURED_PRECISIONS,
     )
     faster = speeds["mixed_bfloat16"] >= BF16_MIN_SPEEDUP * speeds["float32"]
     choice = PrecisionChoice("mixed_bfloat16" if faster else "float32", reason, dict(speeds))
@@ -241,18 +244,27 @@ def measured_cpu_precision(train: TrainConfig, measure: Callable[..., dict[str, 
     return choice
 
 
-def _remembered_or_measured(key: str, what: str, measure: Callable[[], dict[str, float]]) -> tuple[dict, str]:
-    """(images/s by variant, "remembered" or "measured"): from this machine's cache, else timed now and kept."""
+def _remembered_or_measured(
+    key: str, what: str, measure: Callable[[], dict[str, float]], variants: Sequence[str]
+) -> tuple[dict, str]:
+    """(images/s by variant, "remembered" or "measured"): from this machine's cache when it holds a speed for each
+    of `variants`, else timed now and kept."""
     path = precision_cache_path()
     with locks.exclusive(path.with_name(path.name + ".lock"), "the precision measurements"):
         cache = _read_cache(path)
-        if key in cache:
-            return cache[key]["images_per_second"], "remembered"
+        entry = cache.get(key)
+        speeds = entry.get("images_per_second") if isinstance(entry, dict) else None
+        if isinstance(speeds, dict) and all(_positive(speeds.get(variant)) for variant in variants):
+            return speeds, "remembered"
         logger.info("Timing a few training steps of %s on this CPU", what)
         speeds = measure()
         cache[key] = {"images_per_second": speeds, "measured_at": f"{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}"}
         atomic_write_json(path, cache)
     return speeds, "measured"
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
 
 
 def _read_cache(path: Path) -> dict:
@@ -298,7 +310,8 @@ class KernelChoice:
 
     @property
     def variant(self) -> str:
-        """Which of the timed variants this is: "fused", "keras_batchnorm" or "keras_gelu"."""
+        """Which of the timed variants this is: "fused", "keras_batchnorm" or "keras_gelu" (both of Keras's layers
+        together were not timed: the batch norm's variant stands for them)."""
         if not self.fused_batchnorm and "keras_batchnorm" in self.images_per_second:
             return "keras_batchnorm"
         if not self.fused_gelu and "keras_gelu" in self.images_per_second:
@@ -350,6 +363,7 @@ def resolve_kernels(
         key,
         f"{train.model} in {precision} with fused kernels and Keras's {' and '.join(auto)}",
         lambda: (measure or measure_kernel_variants)(train, precision, auto),
+        ["fused", *(KERAS_VARIANTS[layer] for layer in auto)],
     )
     keras_faster = {layer: speeds[KERAS_VARIANTS[layer]] >= KERAS_LAYER_MIN_SPEEDUP * speeds["fused"] for layer in auto}
     choice = KernelChoice(

@@ -67,6 +67,20 @@ def test_a_timing_is_remembered_per_model_precision_and_layers_asked():
     assert {"fused": 103.0, "keras_batchnorm": 110.0} in [entry["images_per_second"] for entry in cache.values()]
 
 
+def test_a_remembered_timing_without_every_variant_is_timed_again():
+    train = TrainConfig(model="fast")
+    timings = Timings(fused=100.0, keras_batchnorm=120.0, keras_gelu=90.0)
+    performance.resolve_kernels(train, "float32", 0, measure=timings)
+    path = performance.precision_cache_path()
+    cache = json.loads(path.read_text())
+    for entry in cache.values():  # Damaged: a variant lost, another not a number.
+        entry["images_per_second"].pop("keras_gelu")
+        entry["images_per_second"]["fused"] = "fast"
+    path.write_text(json.dumps(cache))
+    choice = performance.resolve_kernels(train, "float32", 0, measure=timings)
+    assert (choice.reason, len(timings.calls), choice.fused_batchnorm) == ("measured", 2, False)
+
+
 @pytest.mark.parametrize(
     "train,num_gpus,num_workers,saved,expected",
     [
