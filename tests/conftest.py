@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import sys
@@ -94,6 +95,31 @@ def float32_policy_afterwards():
     keras = sys.modules.get("keras")
     if keras is not None and keras.mixed_precision.global_policy().name != "float32":
         keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture
+def stopped_after_epoch(monkeypatch):
+    """`with stopped_after_epoch(n): train(...)`: the in-process training stops (KeyboardInterrupt) after epoch n's
+    checkpoint, before MLflow hears of epoch n, as a kill between the two would; the context expects the stop."""
+    from cifar import tracking
+
+    @contextlib.contextmanager
+    def stop(epoch: int):
+        original = tracking.log_epoch_metrics
+
+        def stops(tracking_uri, run_id, at, metrics):
+            if at == epoch:
+                raise KeyboardInterrupt(f"stopped after epoch {epoch}'s checkpoint")
+            original(tracking_uri, run_id, at, metrics)
+
+        monkeypatch.setattr(tracking, "log_epoch_metrics", stops)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                yield
+        finally:
+            monkeypatch.setattr(tracking, "log_epoch_metrics", original)
+
+    return stop
 
 
 @pytest.fixture(scope="session")

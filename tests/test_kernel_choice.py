@@ -186,12 +186,13 @@ def data_dir(python_archive, tmp_path_factory) -> str:
 
 
 @pytest.mark.slow
-def test_a_run_resumed_where_the_other_batch_norm_is_faster_keeps_its_checkpoints(data_dir, tmp_path, monkeypatch):
+def test_a_run_resumed_where_the_other_batch_norm_is_faster_keeps_its_checkpoints(
+    data_dir, tmp_path, monkeypatch, stopped_after_epoch
+):
     """Trained with Keras's batch norm (timed faster), stopped after epoch 2, resumed on a machine that would time the
     fused one faster (a cache of its own): it resumes Keras's, untimed, and finishes."""
     import mlflow
 
-    from cifar import tracking
     from cifar.train import train
 
     config = make_config("default", {
@@ -200,17 +201,8 @@ def test_a_run_resumed_where_the_other_batch_norm_is_faster_keeps_its_checkpoint
         "tracking": {"system_metrics": False},
     })  # fmt: skip
     monkeypatch.setattr(performance, "measure_kernel_variants", Timings(fused=100.0, keras_batchnorm=130.0))
-    original = tracking.log_epoch_metrics
-
-    def stops_at_epoch_two(tracking_uri, run_id, epoch, metrics):
-        if epoch == 2:
-            raise KeyboardInterrupt("stopped after epoch 2's checkpoint")
-        original(tracking_uri, run_id, epoch, metrics)
-
-    monkeypatch.setattr(tracking, "log_epoch_metrics", stops_at_epoch_two)
-    with pytest.raises(KeyboardInterrupt):
+    with stopped_after_epoch(2):
         train(config, data_dir, tmp_path)
-    monkeypatch.setattr(tracking, "log_epoch_metrics", original)
     latest = tmp_path / "runs" / "kernels" / "checkpoints" / "epoch-0002.keras"
     assert saved_kernels(latest) == {"batchnorm": False}
 

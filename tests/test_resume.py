@@ -141,8 +141,7 @@ def test_killed_training_resumes_without_losing_or_repeating_epochs(data_dir, tm
 
 
 @pytest.mark.slow
-def test_epochs_checkpointed_but_not_reported_are_backfilled_once(data_dir, tmp_path, monkeypatch):
-    from cifar import tracking
+def test_epochs_checkpointed_but_not_reported_are_backfilled_once(data_dir, tmp_path, stopped_after_epoch):
     from cifar.config import make_config
     from cifar.train import train
 
@@ -156,17 +155,8 @@ def test_epochs_checkpointed_but_not_reported_are_backfilled_once(data_dir, tmp_
         )
 
     # The process dies after epoch 2's checkpoint but before MLflow hears about epoch 2.
-    original = tracking.log_epoch_metrics
-
-    def dies_at_epoch_two(tracking_uri, run_id, epoch, metrics):
-        if epoch == 2:
-            raise KeyboardInterrupt("simulated kill")
-        original(tracking_uri, run_id, epoch, metrics)
-
-    monkeypatch.setattr(tracking, "log_epoch_metrics", dies_at_epoch_two)
-    with pytest.raises(KeyboardInterrupt):
+    with stopped_after_epoch(2):
         train(config(3), data_dir, tmp_path)
-    monkeypatch.undo()
     checkpoint_dir = tmp_path / "runs" / "backfill" / "checkpoints"
     assert load_index(checkpoint_dir).latest.epoch == 2
     # A kill between writing history.json and index.json leaves an epoch the index does not list.
