@@ -245,15 +245,9 @@ class TrainConfig(Section):
         "every one of them ends, naming who is missing.",
     )
     precision: Literal["auto", "float32", "mixed_bfloat16", "mixed_float16"] = "auto"
-    fused_batchnorm: bool | Literal["auto"] = Field(
-        "auto",
-        description="Batch norm as one fused kernel (true) or Keras's layer (false); auto: whichever trains this "
-        "model faster on this CPU, timed once and remembered (fused on GPUs and in multi-worker jobs).",
-    )
-    fused_gelu: bool | Literal["auto"] = Field(
-        "auto",
-        description="GELU (fast net) with XLA-fused training kernels (true) or Keras's (false); auto: as batch norm.",
-    )
+    # auto: the faster on this CPU, timed once; fused on GPUs, multi-worker; a resume: its checkpoint's (performance).
+    fused_batchnorm: bool | Literal["auto"] = Field("auto", description="Fused, Keras's, or auto: faster here.")
+    fused_gelu: bool | Literal["auto"] = Field("auto", description="The fast net's GELU: XLA-fused, Keras's, or auto.")
     jit_compile: Literal["auto", "on", "off"] = Field("auto", description="XLA; auto = on GPU only.")
     keep_checkpoints: int = Field(3, ge=1, le=1000, description="Last K epoch checkpoints kept (+ the best).")
     resume: bool = Field(True, description="Resume from the last completed epoch; False starts fresh.")

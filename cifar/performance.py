@@ -349,11 +349,12 @@ def resolve_kernels(
     auto = [layer for layer in ("batchnorm", "gelu") if layer in used and getattr(train, f"fused_{layer}") == "auto"]
     if not auto:
         return KernelChoice(fused_batchnorm, fused_gelu, "configured" if used else f"not in {train.model}")
-    if saved:
-        chosen = {"batchnorm": fused_batchnorm, "gelu": fused_gelu} | {
-            layer: saved[layer] for layer in auto if layer in saved
-        }
-        return KernelChoice(chosen["batchnorm"], chosen["gelu"], "checkpoint")
+    if saved:  # Only the "auto" layers follow the checkpoint; configured ones are what its key was made with.
+
+        def kept(layer: str, configured: bool) -> bool:
+            return saved.get(layer, configured) if layer in auto else configured
+
+        return KernelChoice(kept("batchnorm", fused_batchnorm), kept("gelu", fused_gelu), "checkpoint")
     if num_gpus > 0:
         return KernelChoice(fused_batchnorm, fused_gelu, "gpu")
     if num_workers > 1:

@@ -277,11 +277,9 @@ def _train(
     if rendezvous is not None:
         job, start = _join(job, rendezvous, index, start)
 
-    # A resumed run builds the batch norm and GELU its checkpoint holds (cifar.checkpoints.saved_kernels).
-    saved = saved_kernels(start.checkpoint) if start.checkpoint is not None else None
-    performance = configure_performance(
-        job.train, len(job.plan.gpu_ids), num_workers=job.plan.num_workers, saved_kernels=saved
-    )
+    saved = saved_kernels(start.checkpoint) if start.checkpoint is not None else None  # A resume builds its kinds.
+    performance = configure_performance(job.train, len(job.plan.gpu_ids), num_workers=job.plan.num_workers,
+                                        saved_kernels=saved)  # fmt: skip
     # What is left, said before it starts (the chief's; None when nothing is left).
     estimate = announce_estimate(job.config, performance, job.steps_per_epoch, start.epoch, job.plan)
     keras.utils.set_random_seed(config.seed)
@@ -454,9 +452,8 @@ def _open_tracking(
         name = tracking.human_run_name(job.config)
         run_id = tracking.create_run(uri, job.workdir, job.config.tracking.experiment, name, tags)
         params = {key: value for key, value in job.config.flat().items() if key != "tracking.run_name"}
-        # What `train.precision: auto` resolved to on the machine that started the run (tags: each attempt's).
-        params["performance.precision"] = performance["precision"]
-        params |= {f"performance.{key}": performance[key] for key in ("fused_batchnorm", "fused_gelu")}  # "auto"'s.
+        # What the config's `auto`s resolved to on the machine that started the run (tags: each attempt's).
+        params |= {f"performance.{key}": performance[key] for key in ("precision", "fused_batchnorm", "fused_gelu")}
         if estimate is not None and estimate.seconds is not None:  # The first attempt's, beside what it took.
             params["estimated_training_minutes"] = round(estimate.seconds / 60, 1)
         tracking.log_params(uri, run_id, params)
