@@ -9,8 +9,9 @@ scikit-learn and matplotlib.pyplot for features no stage uses; `import cifar` re
   - baseline: `import tensorflow` (the finder not installed: Keras imports as shipped);
   - ours:     `import cifar, tensorflow` (the finder installed first, as in every process of ours);
   - empty:    `pass` (the interpreter alone);
-  - flows-baseline: `import flows.pipeline` after matplotlib's Agg canvas and scipy.spatial, which the flows
-    imported with cifar.plots and cifar.data.drift until they were imported where they are used;
+  - flows-baseline: `import flows.pipeline` after matplotlib's Agg canvas, scipy.spatial and MLflow's pyfunc,
+    which the flows imported with cifar.plots, cifar.data.drift and cifar.serving_model until each was imported
+    where it is used;
   - flows:    `import flows.pipeline` (what every flow run, `prefect deploy`, `flows/promote.py`, a dry run
     and a resumed run import before their first stage).
 CPU seconds are user + system time of the child (getrusage), less sensitive than wall time to other load.
@@ -30,7 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 SECTION = "## Process start-up"
-FLOWS_BEFORE = "import matplotlib.figure, matplotlib.backends.backend_agg, scipy.spatial.distance; "
+# What the flows' imports pulled in before each was left to the stage that uses it: matplotlib's Agg canvas and
+# scipy.spatial (cifar.plots, cifar.data.drift), then MLflow (the serving model's module, via cifar.registry).
+FLOWS_BEFORE = (
+    "import matplotlib.figure, matplotlib.backends.backend_agg, scipy.spatial.distance, mlflow.models, mlflow.pyfunc; "
+)
 VARIANTS = {
     "baseline": "import tensorflow",
     "ours": "import cifar, tensorflow",
@@ -98,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
             "refuses those two imports to Keras alone (cifar/_keras_imports.py). Below them, importing the flows, "
             "which every flow run, `prefect deploy`, `flows/promote.py`, a dry run and a resumed run do before "
             "their first stage: `flows` imports matplotlib and scipy.spatial only where a figure is drawn or "
-            "histograms compared; `flows-baseline` imports them first, as the flows' imports did before. Each "
+            "histograms compared, and MLflow only where a stage tracks or registers; `flows-baseline` imports "
+            "them first, as the flows' imports did before. Each "
             "variant is a fresh "
             f"interpreter, {args.repeats} of each interleaved (order alternated); CPU s is user + system time "
             "(getrusage)."

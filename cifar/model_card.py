@@ -22,7 +22,6 @@ from cifar.comparison import Comparison
 from cifar.config import PipelineConfig
 from cifar.data.manifest import Manifest
 from cifar.results import EvaluationMetrics
-from cifar.serving_contract import CONTRACT
 from cifar.summary import percent
 from cifar.trust import TrustReport
 
@@ -154,6 +153,10 @@ def _percent(value: float | None) -> str:
 
 def card_markdown(card: CardInputs) -> str:
     """The model card as Markdown."""
+    # Here, not at the top: the contract's module imports MLflow (its error class), which the flows' imports
+    # would otherwise pay in every process that never writes a card (dry runs, `prefect deploy`, timeouts).
+    from cifar.serving_contract import CONTRACT
+
     manifest, evaluation, comparison = card.manifest, card.evaluation, card.comparison
     train = card.config.train
     status = "the champion" if card.champion else "not the champion"

@@ -34,7 +34,6 @@ from cifar.model_card import robustness as card_robustness
 from cifar.monitoring import REFERENCE_TAG, MonitoringReference, answers_summary
 from cifar.results import EvaluationMetrics, EvaluationResult, ExportResult, PromotionResult
 from cifar.reuse import registration_key
-from cifar.serving_model import SAVED_MODEL_ARTIFACT, SavedModelClassifier
 from cifar.tracking import ensure_experiment, finite_metrics, mlflow_client, resolve_tracking_uri, use_run
 
 EXPORT_KEY_TAG = "export_key"  # The export a version was registered from: one version per export.
@@ -49,6 +48,17 @@ SCORING_BATCH = 1000  # Images per predict call when the gate scores a model.
 __all__ = ["CHAMPION_ALIAS", "SavedModelClassifier", "register_and_promote"]  # The class: pickled old versions.
 
 
+def __getattr__(name: str):
+    """`cifar.registry.SavedModelClassifier`, which versions pickled before models from code name, found when
+    asked for: the serving model's module imports MLflow, which every process importing the flows (a dry run,
+    `prefect deploy`, an approval's timeout run) would otherwise pay for at start-up."""
+    if name == "SavedModelClassifier":
+        from cifar.serving_model import SavedModelClassifier
+
+        return SavedModelClassifier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def pip_requirements() -> list[str]:
     """Pinned requirements of the pyfunc, given explicitly so MLflow does not load the model to infer them."""
     return [f"{name}=={metadata.version(name)}" for name in ("mlflow", "tensorflow", "numpy")]
@@ -58,6 +68,8 @@ def log_pyfunc_model(export_result: ExportResult, input_example: np.ndarray):
     """Logs the SavedModel as a pyfunc from code, with signature and input example; returns MLflow's ModelInfo."""
     import mlflow
     from mlflow.models import infer_signature
+
+    from cifar.serving_model import SAVED_MODEL_ARTIFACT, SavedModelClassifier
 
     example_outputs = SavedModelClassifier().load(export_result.export_dir).predict(None, input_example)
     # uint8 [-1, 32, 32, 3] in, the three outputs out; marked so the server passes JSON uncast to validate_images.
