@@ -45,7 +45,7 @@ COMPARISON_ARTIFACT = "promotion/comparison.json"
 MODEL_CODE = Path(__file__).resolve().parent / "serving_model.py"
 SCORING_BATCH = 1000  # Images per predict call when the gate scores a model.
 
-__all__ = ["CHAMPION_ALIAS", "SavedModelClassifier", "register_and_promote"]  # The class: pickled old versions.
+__all__ = ["CHAMPION_ALIAS", "register_and_promote"]
 
 
 def __getattr__(name: str):

@@ -63,7 +63,8 @@ def test_importing_the_flows_leaves_tensorflow_mlflow_matplotlib_and_scipy_spati
     script = (
         "import sys, flows.pipeline, flows.retrain, flows.promote, flows.ingest, flows.search, flows.sweep\n"
         "import flows.predict, flows.approval\n"
-        "print(sorted(name for name in ('tensorflow', 'mlflow', 'matplotlib', 'scipy.spatial') if name in sys.modules))\n"
+        "names = ('tensorflow', 'mlflow', 'matplotlib', 'scipy.spatial')\n"
+        "print(sorted(name for name in names if name in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
