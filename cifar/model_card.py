@@ -154,7 +154,7 @@ def _percent(value: float | None) -> str:
 def card_markdown(card: CardInputs) -> str:
     """The model card as Markdown."""
     # Here, not at the top: the contract's module imports MLflow (its error class), which the flows' imports
-    # would otherwise pay in every process that never writes a card (dry runs, `prefect deploy`, timeouts).
+    # would otherwise pay in every process that never writes a card (dry runs, `prefect deploy`).
     from cifar.serving_contract import CONTRACT
 
     manifest, evaluation, comparison = card.manifest, card.evaluation, card.comparison

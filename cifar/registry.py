@@ -50,8 +50,8 @@ __all__ = ["CHAMPION_ALIAS", "register_and_promote"]
 
 def __getattr__(name: str):
     """`cifar.registry.SavedModelClassifier`, which versions pickled before models from code name, found when
-    asked for: the serving model's module imports MLflow, which every process importing the flows (a dry run,
-    `prefect deploy`, an approval's timeout run) would otherwise pay for at start-up."""
+    asked for: the serving model's module imports MLflow, which every process importing the flows would
+    otherwise pay for at start-up, also those that never track (a dry run, `prefect deploy` loading the flows)."""
     if name == "SavedModelClassifier":
         from cifar.serving_model import SavedModelClassifier
 

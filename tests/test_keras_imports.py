@@ -59,7 +59,7 @@ def test_tensorflow_imported_after_cifar_leaves_both_out_and_both_still_import()
 @pytest.mark.slow
 def test_importing_the_flows_leaves_tensorflow_mlflow_matplotlib_and_scipy_spatial_to_the_stages_that_use_them():
     # Every flow run, `prefect deploy`, `flows/promote.py`, dry run and resumed run imports the flows first;
-    # those that never train, track, draw or compare histograms spare ~1.5 CPU-s each (bench/startup.py).
+    # those that never train, track, draw or compare histograms spare ~1.8 CPU-s each (bench/startup.py).
     script = (
         "import sys, flows.pipeline, flows.retrain, flows.promote, flows.ingest, flows.search, flows.sweep\n"
         "import flows.predict, flows.approval\n"
