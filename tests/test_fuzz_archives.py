@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fuzz_strategies import archives, batch_files, budget, one_line
+from fuzz_files import archives, batch_files
+from fuzz_strategies import budget, one_line
 from hypothesis import given
 
 from cifar.data.archive import (

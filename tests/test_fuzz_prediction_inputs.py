@@ -14,16 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fuzz_strategies import (
-    batch_files,
-    budget,
-    files_under,
-    image_trees,
-    npy_files,
-    one_line,
-    tfrecord_files,
-    write_tree,
-)
+from fuzz_files import batch_files, npy_files, tfrecord_files
+from fuzz_strategies import budget, files_under, image_trees, one_line, write_tree
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -22,7 +22,7 @@ import numpy as np
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from fuzz_strategies import frame
+from fuzz_files import frame
 from PIL import Image
 from test_evaluate import prepare_fixture_data, write_checkpoints
 
