@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 
-from scripts.stack_check.context import TOLERANT_GATE, Context
+from scripts.stack_check.context import SHORT_EPOCHS, TOLERANT_GATE, Context
 from scripts.stack_check.pipeline import MODEL_NAME
 from scripts.stack_check.report import Row
 from scripts.stack_check.shell import StepError, wait_until
@@ -41,14 +41,8 @@ from cifar.data.synthetic import make_split, write_image_folder
 write_image_folder(Path("{WORKDIR}/approval-photos"), *make_split(40, seed=47))
 """
 # The smoke recipe on the workdir's archive and latest snapshot, a sign-off required, and a gate any
-# challenger passes (the point is the sign-off, not the smoke model's accuracy): so epochs of 15 steps, not
-# 60 (~20 CPU-s less per retrain; evaluation and the gate still see all 10,000 test images).
-CONFIG = {
-    "preset": "smoke",
-    "train": {"steps_per_epoch": 15},
-    "export": TOLERANT_GATE,
-    "promotion": {"approval": "required"},
-}
+# challenger passes, with short epochs (the point is the sign-off, not the smoke model's accuracy).
+CONFIG = {"preset": "smoke", "train": SHORT_EPOCHS, "export": TOLERANT_GATE, "promotion": {"approval": "required"}}
 WAITING, MOVED = "waits for your approval", "champion is now"
 NEW_DATA_TRIGGER = "cifar-retrain-on-new-data"
 

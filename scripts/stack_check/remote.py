@@ -14,7 +14,7 @@ import time
 from cifar.summary import PipelineSummary
 from harness import REPO_ROOT
 from harness.compose import DOCKER_DIR, write_env_file
-from scripts.stack_check.context import DRILL_TIMINGS, TOLERANT_GATE, Context
+from scripts.stack_check.context import DRILL_TIMINGS, SHORT_EPOCHS, TOLERANT_GATE, Context
 from scripts.stack_check.pipeline import MODEL_NAME
 from scripts.stack_check.report import Row
 from scripts.stack_check.shell import StepError, last_line
@@ -102,10 +102,9 @@ def check_remote_worker(context: Context, row: Row) -> None:
     opened = [target for target, answer in reach.items() if answer == "open" and not target.startswith(REMOTE_NAME)]
     if opened or reach.get(f"{REMOTE_NAME}:4200") != "open":
         raise StepError(f"the remote worker's connections: {reach}")
-    # The point is that the gate's move reaches the shared registry through the front door: TOLERANT_GATE, and
-    # epochs of 15 steps, not 60 (the smoke deployment's own run, through the local worker, trains all 60).
+    # The point is that the gate's move reaches the shared registry through the front door: TOLERANT_GATE, SHORT_EPOCHS.
     archive = archive_parameters(context.settings.archive)
-    config = {"preset": "smoke", "data": archive, "train": {"steps_per_epoch": 15}, "export": TOLERANT_GATE}
+    config = {"preset": "smoke", "data": archive, "train": SHORT_EPOCHS, "export": TOLERANT_GATE}
     parameters = {"config": config}
     argv = ["prefect", "deployment", "run", "cifar/smoke", "--params", json.dumps(parameters), "--watch",
             "--watch-timeout", "1500"]  # fmt: skip
