@@ -6,6 +6,7 @@ read. Plain functions over the repository's files; no Docker engine.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import importlib.metadata
 import json
 import re
@@ -171,14 +172,15 @@ def exposed_ports(lineage: list[Stage]) -> set[int]:
 # --- .dockerignore ------------------------------------------------------------------------------------
 
 
-def dockerignore_patterns() -> list[tuple[bool, str]]:
+@functools.cache  # Read once: ignored_by_docker asks for every path of the build context.
+def dockerignore_patterns() -> tuple[tuple[bool, str], ...]:
     patterns = []
     for line in (REPO_ROOT / ".dockerignore").read_text(encoding="utf-8").splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             negated = line.startswith("!")
             patterns.append((negated, line.lstrip("!").strip("/")))
-    return patterns
+    return tuple(patterns)
 
 
 def _pattern_matches(pattern: str, path: str) -> bool:
