@@ -114,6 +114,42 @@ def patch_device_prefetch_autotune() -> None:
     multi_device_iterator_ops._create_device_dataset = create_device_dataset
 
 
+# glibc's mallopt parameters (malloc.h) and the values its own dynamic rule would reach: blocks up to 32 MiB
+# (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit) come from the heap, and freed memory stays until twice that is free.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
+
+
+def undo_generator_malloc_patch() -> bool:
+    """Gives training back glibc's reuse of freed tensor memory, which TF 2.21 turns off process-wide.
+
+    The first `GeneratorDataset` kernel a process makes calls `mallopt(M_MMAP_THRESHOLD, 128 KiB)` once
+    (`tensorflow::data::ApplyPython311MemoryPatch`, against memory growth with Python generators,
+    tensorflow#65675), which also ends glibc's dynamic threshold. Every distributed dataset makes one (the
+    MultiDeviceIterator feeding the strategy's devices), so from the first epoch on every block of 128 KiB or
+    more (each activation, gradient and batch) was a fresh mmap, zeroed by the kernel page by page, and unmapped
+    when freed: a smoke run on the real archive made 2.35 million page faults and spent 6.3 of its ~46 CPU seconds
+    in the kernel; 0.66 million, 3.0 and ~42 with this (AMD EPYC family 26; docs/BENCHMARKS.md "Freed memory
+    reused"). This makes that kernel now, with an empty generator (the patch is applied then, and never again:
+    a static guard), and sets what glibc's own rule would reach. Nothing here runs Python generators inside
+    tf.data, which is what the patch was for. Idempotent; False where there is no glibc (nothing to undo).
+    """
+    import ctypes
+    import platform
+
+    import tensorflow as tf
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    empty = tf.data.Dataset.from_generator(lambda: iter(()), output_signature=tf.TensorSpec([], tf.int8))
+    for _ in empty:  # Making its iterator makes the kernel: TensorFlow's mallopt call happens here.
+        pass
+    libc = ctypes.CDLL(None)
+    return (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+            and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1)  # fmt: skip
+
+
 @contextlib.contextmanager
 def mlflow_tracking_uri(tracking_uri: str) -> Iterator[None]:
     """Points MLflow's fluent API at `tracking_uri` for the block only.

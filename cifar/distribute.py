@@ -121,6 +121,13 @@ def plan_devices(train: TrainConfig, *, tf_config: str | None = None) -> DeviceP
 def create_strategy(plan: DevicePlan) -> tf.distribute.Strategy:
     """The strategy for a plan: one device, Mirrored over local devices, or MultiWorkerMirrored."""
     compat.patch_device_prefetch_autotune()  # No idle minute after the last epoch (see there).
+    strategy = _strategy(plan)
+    # After the strategy: the undo runs a TF op, and a multi-worker strategy must be made before any op runs.
+    compat.undo_generator_malloc_patch()  # Freed tensor memory reused, not mapped afresh each step (see there).
+    return strategy
+
+
+def _strategy(plan: DevicePlan) -> tf.distribute.Strategy:
     if plan.cluster is not None:
         # Hide unselected GPUs: the multi-worker strategy uses every visible device.
         physical = tf.config.list_physical_devices("GPU")
