@@ -10,6 +10,7 @@ test_fast_recipe.py exercise every function here).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,6 +122,7 @@ MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
 TRIM_THRESHOLD_BYTES = 2 * MMAP_THRESHOLD_BYTES
 
 
+@functools.cache  # Once per process, as TensorFlow's own call: every later strategy finds it done.
 def undo_generator_malloc_patch() -> bool:
     """Gives training back glibc's reuse of freed tensor memory, which TF 2.21 turns off process-wide.
 
@@ -133,7 +135,7 @@ def undo_generator_malloc_patch() -> bool:
     in the kernel; 0.66 million, 3.0 and ~42 with this (AMD EPYC family 26; docs/BENCHMARKS.md "Freed memory
     reused"). This makes that kernel now, with an empty generator (the patch is applied then, and never again:
     a static guard), and sets what glibc's own rule would reach. Nothing here runs Python generators inside
-    tf.data, which is what the patch was for. Idempotent; False where there is no glibc (nothing to undo).
+    tf.data, which is what the patch was for. False where there is no glibc (nothing to undo).
     """
     import ctypes
     import platform
